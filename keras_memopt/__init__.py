@@ -1,0 +1,7 @@
+"""keras_memopt: train Keras models that do not fit in accelerator memory."""
+
+from keras_memopt.models import AccumulatingModel
+
+__version__ = "0.1.0"
+
+__all__ = ["AccumulatingModel"]
