@@ -1,0 +1,71 @@
+"""Test session set-up.
+
+TensorFlow reads its allocator settings once, when it initialises, so they are
+set here before anything imports it: the BFC allocator on the CPU gives real,
+deterministic current/peak memory figures (`tf.config.experimental.
+get_memory_info("CPU:0")`), and oneDNN is off because it bypasses that
+allocator. The CPU is split into two logical devices for MirroredStrategy.
+Tests that need a memory *limit* run in a subprocess (`run_python`).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+
+
+def run_python(code, memory_limit_mb=None, timeout=600, env=None):
+    """Runs `code` in a fresh Python with a memory-limited TF CPU allocator.
+
+    Returns the completed process; fails the test with its output if the
+    process exits non-zero.
+    """
+    child_env = dict(os.environ)
+    child_env.update(
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TF_ENABLE_ONEDNN_OPTS="0",
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(memory_limit_mb or 16384),
+    )
+    child_env.update(env or {})
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"subprocess exited with {result.returncode}\n"
+            f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+        )
+    return result
+
+
+@pytest.fixture
+def keras_module():
+    from keras_memopt._keras import keras
+
+    return keras
+
+
+@pytest.fixture(autouse=True)
+def _clear_session():
+    from keras_memopt._keras import keras
+
+    keras.backend.clear_session()
+    yield
