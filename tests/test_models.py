@@ -1,0 +1,586 @@
+"""AccumulatingModel: exactness against plain Keras, semantics and bad input."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import LEGACY
+
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+layers = keras.layers
+
+# float32 accumulation sums the same terms in another order than one large
+# batch does; after several updates the weights agree to about 1e-6.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _data(n=60, features=6, classes=3, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.randint(0, classes, size=(n,))
+    return x, y
+
+
+def _mlp(cls=keras.Model, seed=0, regularized=True, **kwargs):
+    keras.utils.set_random_seed(seed)
+    reg = keras.regularizers.L2(1e-2) if regularized else None
+    inputs = keras.Input((6,))
+    hidden = layers.Dense(
+        16, activation="tanh", kernel_regularizer=reg, activity_regularizer=reg
+    )(inputs)
+    outputs = layers.Dense(3)(hidden)
+    return cls(inputs, outputs, **kwargs)
+
+
+def _fit(model, x, y, batch_size, optimizer=None, epochs=2, **fit_kwargs):
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+    )
+    return history.history
+
+
+def _assert_same_weights(a, b, rtol=RTOL, atol=ATOL):
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def _assert_same_history(a, b, rtol=RTOL):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=key)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+}
+
+
+class TestExactness:
+    @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+    def test_matches_plain_keras_with_uneven_last_micro_batch(self, optimizer):
+        x, y = _data()
+        plain = _mlp()
+        # Batches of 20 split 7 + 7 + 6: the last micro-batch is smaller.
+        accumulating = _mlp(AccumulatingModel, micro_batch_size=7)
+        h_plain = _fit(plain, x, y, 20, OPTIMIZERS[optimizer]())
+        h_acc = _fit(accumulating, x, y, 20, OPTIMIZERS[optimizer]())
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+        assert int(accumulating.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+
+    def test_accumulation_steps_matches_plain_keras(self):
+        x, y = _data(n=50)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, accumulation_steps=3)
+        # 16 -> 6 + 6 + 4; the last batch of 2 -> 1 + 1.
+        h_plain = _fit(plain, x, y, 16)
+        h_acc = _fit(accumulating, x, y, 16)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
+    def test_sample_weight_and_class_weight(self):
+        x, y = _data()
+        weights = np.random.RandomState(3).uniform(0.1, 2.0, size=len(x)).astype("float32")
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=4)
+        h_plain = _fit(plain, x, y, 30, sample_weight=weights)
+        h_acc = _fit(accumulating, x, y, 30, sample_weight=weights)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
+        class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=4)
+        h_plain = _fit(plain, x, y, 30, class_weight=class_weight)
+        h_acc = _fit(accumulating, x, y, 30, class_weight=class_weight)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
+    def test_regularisation_counts_once_per_update(self):
+        # Strong regularisation: counting it once per micro-batch would be
+        # five times too strong and the weights would drift apart at once.
+        x, y = _data(n=20)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=4)
+        h_plain = _fit(plain, x, y, 20, keras.optimizers.SGD(0.5), epochs=3)
+        h_acc = _fit(accumulating, x, y, 20, keras.optimizers.SGD(0.5), epochs=3)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
+    def test_learning_rate_schedule_steps_per_update(self):
+        x, y = _data()
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=5)
+        _fit(plain, x, y, 20, keras.optimizers.SGD(schedule), epochs=3)
+        _fit(accumulating, x, y, 20, keras.optimizers.SGD(schedule), epochs=3)
+        _assert_same_weights(plain, accumulating)
+        assert int(accumulating.optimizer.iterations) == 9
+
+    def test_batch_smaller_than_micro_batch_is_one_micro_batch(self):
+        x, y = _data(n=24)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=64)
+        h_plain = _fit(plain, x, y, 8)
+        h_acc = _fit(accumulating, x, y, 8)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
+    def test_weights_change_only_once_per_batch(self):
+        # Eight micro-batches of one sample each, SGD without momentum: the
+        # update is the mean gradient, so it equals plain Keras after one step.
+        x, y = _data(n=8)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=1)
+        _fit(plain, x, y, 8, keras.optimizers.SGD(1.0), epochs=1)
+        _fit(accumulating, x, y, 8, keras.optimizers.SGD(1.0), epochs=1)
+        _assert_same_weights(plain, accumulating)
+        assert int(accumulating.optimizer.iterations) == 1
+
+
+def _two_headed(cls=keras.Model, **kwargs):
+    keras.utils.set_random_seed(4)
+    image = keras.Input((5,), name="image")
+    meta = keras.Input((2,), name="meta")
+    joined = layers.Concatenate()([layers.Dense(8, activation="relu")(image), meta])
+    label = layers.Dense(3, name="label")(joined)
+    score = layers.Dense(1, name="score")(joined)
+    return cls({"image": image, "meta": meta}, {"label": label, "score": score}, **kwargs)
+
+
+def _compile_two_headed(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss={
+            "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "score": keras.losses.MeanSquaredError(),
+        },
+        loss_weights={"label": 1.0, "score": 0.5},
+        metrics={"label": ["accuracy"], "score": ["mae"]},
+    )
+
+
+class TestInputs:
+    def _nested_data(self, n=40):
+        rng = np.random.RandomState(7)
+        x = {
+            "image": rng.normal(size=(n, 5)).astype("float32"),
+            "meta": rng.normal(size=(n, 2)).astype("float32"),
+        }
+        y = {"label": rng.randint(0, 3, size=(n,)), "score": rng.normal(size=(n, 1))}
+        return x, y
+
+    def test_nested_inputs_and_outputs(self):
+        x, y = self._nested_data()
+        plain, accumulating = _two_headed(), _two_headed(AccumulatingModel, micro_batch_size=3)
+        for model in (plain, accumulating):
+            _compile_two_headed(model)
+        h_plain = plain.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
+        h_acc = accumulating.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
+        _assert_same_weights(plain, accumulating)
+        np.testing.assert_allclose(h_plain["loss"], h_acc["loss"], rtol=RTOL)
+        for key in h_plain:
+            if "acc" in key or "mae" in key:
+                np.testing.assert_allclose(h_plain[key], h_acc[key], rtol=RTOL, err_msg=key)
+
+    def test_tf_data_pipeline(self):
+        x, y = _data()
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=5)
+        for model in (plain, accumulating):
+            model.compile(
+                keras.optimizers.Adam(0.01),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        plain.fit(dataset, epochs=2, verbose=0)
+        accumulating.fit(dataset, epochs=2, verbose=0)
+        _assert_same_weights(plain, accumulating)
+
+    def test_py_dataset(self):
+        base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
+        x, y = _data()
+
+        class Batches(base):
+            def __len__(self):
+                return 3
+
+            def __getitem__(self, index):
+                return x[index * 20 : (index + 1) * 20], y[index * 20 : (index + 1) * 20]
+
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=6)
+        for model in (plain, accumulating):
+            model.compile(
+                keras.optimizers.Adam(0.01),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            model.fit(Batches(), epochs=2, verbose=0, shuffle=False)
+        _assert_same_weights(plain, accumulating)
+
+
+class TestEvaluatePredict:
+    def test_evaluate_and_predict_match_plain_keras(self):
+        x, y = _data(n=50)
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=7)
+        accumulating.set_weights(plain.get_weights())
+        for model in (plain, accumulating):
+            model.compile(
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        np.testing.assert_allclose(
+            plain.evaluate(x, y, batch_size=25, verbose=0),
+            accumulating.evaluate(x, y, batch_size=25, verbose=0),
+            rtol=RTOL,
+        )
+        np.testing.assert_allclose(
+            plain.predict(x, batch_size=32, verbose=0),
+            accumulating.predict(x, batch_size=32, verbose=0),
+            rtol=RTOL,
+            atol=ATOL,
+        )
+
+    def test_predict_nested_outputs(self):
+        plain, accumulating = _two_headed(), _two_headed(AccumulatingModel, micro_batch_size=4)
+        accumulating.set_weights(plain.get_weights())
+        x = TestInputs()._nested_data(n=11)[0]
+        expected = plain.predict(x, batch_size=11, verbose=0)
+        received = accumulating.predict(x, batch_size=11, verbose=0)
+        assert set(received) == {"label", "score"}
+        for key in expected:
+            np.testing.assert_allclose(expected[key], received[key], rtol=RTOL, atol=ATOL)
+
+
+class TestBatchNormalization:
+    def _model(self, cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((4,))
+        x = layers.Dense(6)(inputs)
+        x = layers.BatchNormalization(momentum=0.9)(x)
+        return cls(inputs, layers.Dense(2)(x), **kwargs)
+
+    def test_moving_statistics_update_once_per_micro_batch(self):
+        # Documented behaviour: each micro-batch is normalised with its own
+        # statistics and updates the moving statistics once, in order -- the
+        # same as plain Keras trained on the micro-batches one after another.
+        rng = np.random.RandomState(0)
+        x = rng.normal(2.0, 3.0, size=(12, 4)).astype("float32")
+        y = rng.normal(size=(12, 2)).astype("float32")
+        sequential = self._model()
+        accumulating = self._model(AccumulatingModel, micro_batch_size=4)
+        for model in (sequential, accumulating):
+            model.compile(keras.optimizers.SGD(0.0), "mse")
+        sequential.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        accumulating.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        bn_seq = next(l for l in sequential.layers if isinstance(l, layers.BatchNormalization))
+        bn_acc = next(l for l in accumulating.layers if isinstance(l, layers.BatchNormalization))
+        np.testing.assert_allclose(
+            bn_seq.moving_mean.numpy(), bn_acc.moving_mean.numpy(), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            bn_seq.moving_variance.numpy(), bn_acc.moving_variance.numpy(), rtol=1e-6
+        )
+        # Three updates from zero: 1 - 0.9**3 of the way to the data's mean.
+        assert np.all(np.abs(bn_acc.moving_mean.numpy()) > 0)
+
+
+class TestDistribution:
+    def test_mirrored_strategy_matches_one_device(self):
+        x, y = _data(n=64)
+        single = _mlp(AccumulatingModel, micro_batch_size=5)
+        h_single = _fit(single, x, y, 32)
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        with strategy.scope():
+            mirrored = _mlp(AccumulatingModel, micro_batch_size=5)
+            h_mirrored = _fit(mirrored, x, y, 32)
+        # 16 samples per replica, micro-batches 5 + 5 + 5 + 1 on each.
+        _assert_same_weights(single, mirrored, rtol=1e-5, atol=1e-5)
+        _assert_same_history(h_single, h_mirrored, rtol=1e-5)
+
+
+class TestMixedPrecision:
+    @pytest.fixture
+    def policy(self):
+        yield keras.mixed_precision.set_global_policy
+        keras.mixed_precision.set_global_policy("float32")
+
+    def test_mixed_bfloat16_accumulates_in_float32(self, policy):
+        policy("mixed_bfloat16")
+        x, y = _data()
+        # No regularisers: plain Keras itself fails to add a bfloat16 activity
+        # regularisation loss to its float32 loss.
+        plain = _mlp(regularized=False)
+        accumulating = _mlp(AccumulatingModel, regularized=False, micro_batch_size=5)
+        h_plain = _fit(plain, x, y, 20)
+        h_acc = _fit(accumulating, x, y, 20)
+        assert accumulating.trainable_variables[0].dtype == "float32"
+        # bfloat16 activations carry 8 bits of mantissa.
+        _assert_same_weights(plain, accumulating, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(h_plain["loss"], h_acc["loss"], rtol=2e-2)
+
+    def test_mixed_float16_non_finite_micro_batch_skips_update(self, policy):
+        policy("mixed_float16")
+        x, y = _data(n=16)
+        x_bad = x.copy()
+        x_bad[13] = np.inf  # in the last of four micro-batches
+        plain = _mlp(regularized=False)
+        accumulating = _mlp(AccumulatingModel, regularized=False, micro_batch_size=4)
+        before = accumulating.get_weights()
+        for model in (plain, accumulating):
+            model.compile(
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            model.fit(x_bad, y, batch_size=16, epochs=1, verbose=0)
+        for a, b in zip(before, accumulating.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        scale = lambda m: float(m.optimizer.dynamic_scale if not LEGACY else m.optimizer.loss_scale)  # noqa: E731
+        assert scale(accumulating) == scale(plain) < 32768.0
+        # A clean batch then trains as plain Keras does (float16 activations).
+        for model in (plain, accumulating):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        _assert_same_weights(plain, accumulating, rtol=1e-2, atol=1e-3)
+        assert any(not np.array_equal(a, b) for a, b in zip(before, accumulating.get_weights()))
+
+
+def _peak_bytes_of_fit(model, x, y, batch_size):
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace and warm up
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+
+
+def _wide(cls=keras.Model, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    x = inputs
+    for _ in range(6):
+        x = layers.Dense(256, activation="relu")(x)
+    return cls(inputs, layers.Dense(1)(x), **kwargs)
+
+
+class TestCompilation:
+    @pytest.mark.parametrize("jit_compile", [False, True])
+    def test_peak_memory_falls_with_micro_batch(self, jit_compile):
+        x = np.random.RandomState(0).normal(size=(2048, 64)).astype("float32")
+        y = np.zeros((2048, 1), "float32")
+        peaks = {}
+        for micro in (None, 512, 128):
+            model = _wide() if micro is None else _wide(AccumulatingModel, micro_batch_size=micro)
+            model.compile("sgd", "mse", jit_compile=jit_compile)
+            peaks[micro] = _peak_bytes_of_fit(model, x, y, 2048)
+        # Six 2048x256 float32 activations (2 MiB each) and their gradients
+        # dominate the plain step; a micro-batch of 128 keeps 1/16 of them.
+        assert peaks[512] < 0.6 * peaks[None], peaks
+        assert peaks[128] < 0.7 * peaks[512], peaks
+
+    def test_jit_compile_compiles_each_micro_batch(self):
+        x, y = _data()
+        plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=7)
+        plain.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        accumulating.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        assert accumulating.micro_batch_jit_compile
+        if not LEGACY:
+            assert accumulating.jit_compile is False
+        plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+        accumulating.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+        _assert_same_weights(plain, accumulating, rtol=1e-4, atol=1e-5)
+
+    def test_auto_resolves_without_xla_on_cpu(self):
+        model = _mlp(AccumulatingModel, micro_batch_size=7)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert model.micro_batch_jit_compile is False
+
+
+class TestWaysIn:
+    def test_subclass(self):
+        class Classifier(AccumulatingModel):
+            def __init__(self, **kwargs):
+                super().__init__(micro_batch_size=6, **kwargs)
+                self.hidden = layers.Dense(16, activation="tanh")
+                self.head = layers.Dense(3)
+
+            def call(self, inputs):
+                return self.head(self.hidden(inputs))
+
+        class Plain(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.hidden = layers.Dense(16, activation="tanh")
+                self.head = layers.Dense(3)
+
+            def call(self, inputs):
+                return self.head(self.hidden(inputs))
+
+        x, y = _data()
+        keras.utils.set_random_seed(0)
+        plain = Plain()
+        plain(x[:1])
+        keras.utils.set_random_seed(0)
+        accumulating = Classifier()
+        accumulating(x[:1])
+        accumulating.set_weights(plain.get_weights())
+        _fit(plain, x, y, 20)
+        _fit(accumulating, x, y, 20)
+        _assert_same_weights(plain, accumulating)
+        assert accumulating.micro_batch_size == 6
+
+    def test_functional_use_leaves_subclassing_intact(self):
+        _mlp(AccumulatingModel, micro_batch_size=3)  # functional first
+
+        class Later(AccumulatingModel):
+            def __init__(self):
+                super().__init__(accumulation_steps=2)
+                self.dense = layers.Dense(1)
+
+            def call(self, inputs):
+                return self.dense(inputs)
+
+        model = Later()
+        assert model(np.ones((2, 3), "float32")).shape == (2, 1)
+
+    def test_from_model_wraps_functional_sequential_and_subclassed(self):
+        x, y = _data()
+        functional = _mlp()
+        sequential = keras.Sequential([keras.Input((6,)), layers.Dense(3)])
+
+        class Subclassed(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = layers.Dense(3)
+
+            def call(self, inputs):
+                return self.dense(inputs)
+
+        subclassed = Subclassed()
+        subclassed(x[:2])
+        for base in (functional, sequential, subclassed):
+            wrapped = AccumulatingModel.from_model(base, micro_batch_size=8)
+            assert isinstance(wrapped, AccumulatingModel)
+            np.testing.assert_allclose(wrapped.predict(x, verbose=0), base.predict(x, verbose=0))
+            _fit(wrapped, x, y, 20, epochs=1)
+            # The wrapper trains the wrapped model's own weights.
+            np.testing.assert_allclose(wrapped.predict(x, verbose=0), base.predict(x, verbose=0))
+
+    def test_from_model_wraps_keras_application(self):
+        base = keras.applications.MobileNetV2(
+            input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=4
+        )
+        wrapped = AccumulatingModel.from_model(base, micro_batch_size=4)
+        images = np.random.RandomState(0).uniform(size=(10, 32, 32, 3)).astype("float32")
+        labels = np.arange(10) % 4
+        wrapped.compile("sgd", "sparse_categorical_crossentropy")
+        wrapped.fit(images, labels, batch_size=10, epochs=1, verbose=0)
+        assert int(wrapped.optimizer.iterations) == 1
+        assert wrapped.count_params() == base.count_params()
+
+    def test_from_model_refuses_unbuilt_model(self):
+        class Unbuilt(keras.Model):
+            def call(self, inputs):
+                return inputs
+
+        with pytest.raises(ValueError, match="must be built"):
+            AccumulatingModel.from_model(Unbuilt(), micro_batch_size=2)
+        with pytest.raises(TypeError, match="must be a `keras.Model`"):
+            AccumulatingModel.from_model("model.keras", micro_batch_size=2)
+
+
+class TestSaving:
+    def test_config_round_trip(self):
+        model = _mlp(AccumulatingModel, accumulation_steps=4)
+        clone = AccumulatingModel.from_config(model.get_config())
+        assert isinstance(clone, AccumulatingModel)
+        assert clone.accumulation_steps == 4 and clone.micro_batch_size is None
+
+    @pytest.mark.skipif(LEGACY, reason="the .keras format is Keras 3's")
+    def test_keras_file_round_trip(self, tmp_path):
+        x, y = _data()
+        model = _mlp(AccumulatingModel, micro_batch_size=7)
+        _fit(model, x, y, 20, epochs=1)
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        assert type(loaded) is type(model)
+        assert loaded.micro_batch_size == 7
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+        # Compiled on load, optimizer state included: training continues alike.
+        _fit_more = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, **_fit_more)
+        loaded.fit(x, y, **_fit_more)
+        _assert_same_weights(model, loaded)
+
+    def test_changing_micro_batch_size_retraces(self):
+        x, y = _data(n=20)
+        model = _mlp(AccumulatingModel, micro_batch_size=7)
+        _fit(model, x, y, 20, epochs=1)
+        assert model.train_function is not None
+        model.micro_batch_size = 3
+        assert model.train_function is None and model.micro_batch_size == 3
+        reference = _mlp()
+        _fit(reference, x, y, 20, epochs=1)
+        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        _assert_same_weights(reference, model)
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            ({"micro_batch_size": 0}, r"`micro_batch_size` must be a positive integer.*=0"),
+            ({"micro_batch_size": -4}, r"`micro_batch_size` must be a positive integer.*=-4"),
+            ({"micro_batch_size": 2.5}, r"`micro_batch_size` must be a positive integer.*=2.5"),
+            ({"micro_batch_size": "32"}, r"`micro_batch_size` must be a positive integer.*='32'"),
+            ({"micro_batch_size": True}, r"`micro_batch_size` must be a positive integer.*=True"),
+            ({"accumulation_steps": 0}, r"`accumulation_steps` must be a positive integer"),
+            (
+                {"micro_batch_size": 8, "accumulation_steps": 2},
+                r"at most one of .*micro_batch_size=8, accumulation_steps=2",
+            ),
+        ],
+    )
+    def test_invalid_split_is_refused(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            _mlp(AccumulatingModel, **kwargs)
+
+    def test_setter_refuses_and_leaves_model_untouched(self):
+        x, y = _data(n=20)
+        model = _mlp(AccumulatingModel, micro_batch_size=7)
+        _fit(model, x, y, 20, epochs=1)
+        function, weights = model.train_function, model.get_weights()
+        with pytest.raises(ValueError, match="Received: micro_batch_size=0"):
+            model.micro_batch_size = 0
+        assert model.micro_batch_size == 7 and model.train_function is function
+        for a, b in zip(weights, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+    def test_sum_reduction_is_refused_at_compile(self):
+        model = _mlp(AccumulatingModel, micro_batch_size=4)
+        with pytest.raises(ValueError, match="average over the samples.*reduction='sum'"):
+            model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
+
+    def test_ragged_and_sparse_inputs_are_refused_before_any_update(self):
+        model = _mlp(AccumulatingModel, micro_batch_size=4)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        weights = model.get_weights()
+        dense = np.ones((8, 6), "float32")
+        sparse = tf.sparse.from_dense(dense)
+        with pytest.raises(TypeError, match="cannot do for ragged or sparse.*SparseTensor"):
+            model.train_step((sparse, np.zeros(8)))
+        ragged = tf.RaggedTensor.from_tensor(dense)
+        with pytest.raises(TypeError, match="ragged or sparse.*RaggedTensor"):
+            model.test_step((ragged, np.zeros(8)))
+        for a, b in zip(weights, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert int(model.optimizer.iterations) == 0
