@@ -102,4 +102,4 @@ def apply_gradients(optimizer, gradients, variables):
     non-finite gradients (and lowers its scale) as in plain Keras."""
     if LEGACY and isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
         gradients = optimizer.get_unscaled_gradients(gradients)
-    optimizer.apply_gradients(zip(gradients, variables))
+    optimizer.apply_gradients(zip(gradients, variables, strict=True))

@@ -326,7 +326,7 @@ class AccumulatingModel(K.keras.Model):
         def body(x, y, sample_weight, fraction, loss, sums):
             share, gradients = micro_gradients(x, y, sample_weight, fraction)
             new_sums = []
-            for index, (total, gradient) in enumerate(zip(sums, gradients)):
+            for index, (total, gradient) in enumerate(zip(sums, gradients, strict=True)):
                 if gradient is None:
                     missing.add(index)
                     new_sums.append(total)
@@ -341,7 +341,7 @@ class AccumulatingModel(K.keras.Model):
         if variables:
             gradients = [
                 None if i in missing else tf.cast(g, v.dtype)
-                for i, (g, v) in enumerate(zip(sums, variables))
+                for i, (g, v) in enumerate(zip(sums, variables, strict=True))
             ]
             K.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
@@ -375,7 +375,7 @@ class AccumulatingModel(K.keras.Model):
 
         def step(i, arrays):
             outputs = tf.nest.flatten(self._forward(_slice(x, i * size, size), training=False))
-            return i + 1, [a.write(i, t) for a, t in zip(arrays, outputs)]
+            return i + 1, [a.write(i, t) for a, t in zip(arrays, outputs, strict=True)]
 
         _, arrays = tf.while_loop(
             lambda i, _: i < count, step, (tf.constant(1, batch_size.dtype), arrays),

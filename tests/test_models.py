@@ -48,7 +48,7 @@ def _fit(model, x, y, batch_size, optimizer=None, epochs=2, **fit_kwargs):
 def _assert_same_weights(a, b, rtol=RTOL, atol=ATOL):
     wa, wb = a.get_weights(), b.get_weights()
     assert len(wa) == len(wb)
-    for x, y in zip(wa, wb):
+    for x, y in zip(wa, wb, strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
@@ -274,8 +274,8 @@ class TestBatchNormalization:
             model.compile(keras.optimizers.SGD(0.0), "mse")
         sequential.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         accumulating.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
-        bn_seq = next(l for l in sequential.layers if isinstance(l, layers.BatchNormalization))
-        bn_acc = next(l for l in accumulating.layers if isinstance(l, layers.BatchNormalization))
+        bn_seq = next(la for la in sequential.layers if isinstance(la, layers.BatchNormalization))
+        bn_acc = next(la for la in accumulating.layers if isinstance(la, layers.BatchNormalization))
         np.testing.assert_allclose(
             bn_seq.moving_mean.numpy(), bn_acc.moving_mean.numpy(), rtol=1e-6
         )
@@ -334,7 +334,7 @@ class TestMixedPrecision:
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
             model.fit(x_bad, y, batch_size=16, epochs=1, verbose=0)
-        for a, b in zip(before, accumulating.get_weights()):
+        for a, b in zip(before, accumulating.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
         scale = lambda m: float(m.optimizer.dynamic_scale if not LEGACY else m.optimizer.loss_scale)  # noqa: E731
         assert scale(accumulating) == scale(plain) < 32768.0
@@ -342,7 +342,8 @@ class TestMixedPrecision:
         for model in (plain, accumulating):
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
         _assert_same_weights(plain, accumulating, rtol=1e-2, atol=1e-3)
-        assert any(not np.array_equal(a, b) for a, b in zip(before, accumulating.get_weights()))
+        after = accumulating.get_weights()
+        assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def _peak_bytes_of_fit(model, x, y, batch_size):
@@ -562,7 +563,7 @@ class TestBadInput:
         with pytest.raises(ValueError, match="Received: micro_batch_size=0"):
             model.micro_batch_size = 0
         assert model.micro_batch_size == 7 and model.train_function is function
-        for a, b in zip(weights, model.get_weights()):
+        for a, b in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
 
     def test_sum_reduction_is_refused_at_compile(self):
@@ -581,6 +582,6 @@ class TestBadInput:
         ragged = tf.RaggedTensor.from_tensor(dense)
         with pytest.raises(TypeError, match="ragged or sparse.*RaggedTensor"):
             model.test_step((ragged, np.zeros(8)))
-        for a, b in zip(weights, model.get_weights()):
+        for a, b in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
         assert int(model.optimizer.iterations) == 0
