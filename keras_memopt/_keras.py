@@ -39,6 +39,19 @@ def is_functional_call(args, kwargs):
     )
 
 
+def built_input_shape(model):
+    """The input shape a built single-input subclassed model was built for,
+    with the batch dimension left open; None if unknown."""
+    if LEGACY:
+        shape = getattr(model, "_build_input_shape", None)
+    else:
+        shapes = getattr(model, "_build_shapes_dict", None) or {}
+        shape = next(iter(shapes.values())) if len(shapes) == 1 else None
+    if shape is None or not all(isinstance(d, (int, type(None))) for d in shape):
+        return None
+    return (None, *tuple(shape)[1:])
+
+
 def loss_reduction(loss):
     """The reduction of a `keras.losses.Loss` instance, or None for others."""
     reduction = getattr(loss, "reduction", None)
@@ -72,6 +85,16 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     )
 
 
+def update_metrics(model, x, y, y_pred, sample_weight):
+    """Updates the compiled metrics with one micro-batch; results come later."""
+    if LEGACY:
+        # tf_keras's `compute_metrics` also reads the results, a cross-replica
+        # `merge_call` that is not allowed inside the micro-batch loop.
+        model.compiled_metrics.update_state(y, y_pred, sample_weight)
+    else:
+        model.compute_metrics(x, y, y_pred, sample_weight)
+
+
 def track_loss(model, loss, batch_size):
     """Records a batch's loss the way Keras's own train and test steps do."""
     if LEGACY:
@@ -103,3 +126,119 @@ def apply_gradients(optimizer, gradients, variables):
     if LEGACY and isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
         gradients = optimizer.get_unscaled_gradients(gradients)
     optimizer.apply_gradients(zip(gradients, variables, strict=True))
+
+
+# -- rematerialisation (keras_memopt.remat) ------------------------------------
+
+
+def functional_nodes(model):
+    """The nodes of a functional model in an order that respects dependencies.
+
+    Returns a list of `(layer, input_tensors, output_tensors)` (flat lists of
+    symbolic tensors), input layers included.
+    """
+    nodes = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if LEGACY:
+                layer, inputs = node.layer, list(node.keras_inputs)
+            else:
+                layer, inputs = node.operation, list(node.input_tensors)
+            nodes.append((layer, inputs, tf.nest.flatten(node.outputs)))
+    return nodes
+
+
+def nested_inputs_outputs(model):
+    """A functional model's inputs and outputs in the structure it was built with."""
+    if LEGACY:
+        return model._nested_inputs, model._nested_outputs
+    return model._inputs_struct, model._outputs_struct
+
+
+def _random_generators(layer):
+    """tf_keras `RandomGenerator`s of `layer` and the layers inside it."""
+    generators = []
+    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+        generator = getattr(sublayer, "_random_generator", None)
+        if generator is not None and hasattr(generator, "_rng_type"):
+            generators.append(generator)
+    return generators
+
+
+def _seed_variables(layer):
+    """Keras 3 random seed states of `layer`: its variables that are not weights."""
+    weights = {id(w) for w in layer.weights}
+    return [v for v in layer.variables if id(v) not in weights]
+
+
+def random_state(layer):
+    """Tensors that pin down the randomness of the next call of `layer`.
+
+    Keras 3 layers draw random numbers with stateless ops seeded from seed
+    generator variables: their values before the call are the state. tf_keras
+    layers default to stateful random ops, which cannot be replayed, so a seed
+    per random generator is drawn here and `replaying` makes the generators use
+    it with stateless ops.
+    """
+    if LEGACY:
+        count = len(_random_generators(layer))
+        if not count:
+            return []
+        return [tf.random.uniform([count], 1, 2**31 - 1, dtype=tf.int32)]
+    return [tf.identity(v.value) for v in _seed_variables(layer)]
+
+
+class _StateRestorer:
+    """Undoes a recomputation's state updates (tf_keras has no stateless scope)."""
+
+    def __init__(self, layer):
+        self.variables = list(layer.non_trainable_weights)
+        self.values = [tf.identity(v) for v in self.variables]
+
+    def restore(self):
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+
+
+class replaying:  # noqa: N801 (a context manager, named like one)
+    """Runs `layer` with the randomness pinned by `state`.
+
+    With `recompute=True`, state updates made inside (BatchNormalization's
+    moving statistics, seed generators) are discarded, so a recomputation
+    neither moves them twice nor draws different random numbers.
+    """
+
+    def __init__(self, layer, state, recompute):
+        self.layer, self.state, self.recompute = layer, state, recompute
+
+    def __enter__(self):
+        if not LEGACY:
+            self._scope = None
+            if self.recompute:
+                mapping = list(zip(_seed_variables(self.layer), self.state, strict=True))
+                self._scope = keras.StatelessScope(state_mapping=mapping)
+                self._scope.__enter__()
+            return self
+        self._restorer = _StateRestorer(self.layer) if self.recompute else None
+        self._saved = []
+        generators = _random_generators(self.layer)
+        for index, generator in enumerate(generators):
+            if generator._rng_type == generator.RNG_STATELESS:
+                continue  # Seeded per layer, not per call: already replays.
+            self._saved.append((generator, dict(generator.__dict__)))
+            generator._rng_type = generator.RNG_STATELESS
+            generator._seed = self.state[0][index]
+            generator._built = True
+        return self
+
+    def __exit__(self, *exc_info):
+        if not LEGACY:
+            if self._scope is not None:
+                self._scope.__exit__(*exc_info)
+            return False
+        for generator, attributes in self._saved:
+            for name in ("_rng_type", "_seed", "_built"):
+                setattr(generator, name, attributes.get(name))
+        if self._restorer is not None and exc_info[0] is None:
+            self._restorer.restore()
+        return False

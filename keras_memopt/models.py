@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt import remat as _remat
 
 keras = K.keras
 
@@ -147,12 +148,22 @@ class AccumulatingModel(K.keras.Model):
         *args,
         micro_batch_size: int | None = None,
         accumulation_steps: int | None = None,
+        remat: str | list[str] | None = None,
         **kwargs,
     ):
         split = _validate_split(micro_batch_size, accumulation_steps)
+        remat = _remat.validate_remat(remat)
+        if remat is not None and not K.is_functional_call(args, kwargs):
+            raise ValueError(
+                "`remat` picks segments in a functional model's graph; a "
+                "subclassed model wraps its blocks in `keras_memopt.Remat` "
+                f"instead. Received: remat={remat!r} for {type(self).__name__}"
+            )
         super().__init__(*args, **kwargs)
         self._micro_batch_size, self._accumulation_steps = split
         self._micro_batch_jit_compile = False
+        self._remat, self._remat_plan = None, None
+        self._set_remat(remat)
 
     @classmethod
     def from_model(
@@ -190,15 +201,15 @@ class AccumulatingModel(K.keras.Model):
         except (AttributeError, ValueError):
             inputs = outputs = None
         if not inputs:
-            input_shape = getattr(model, "_build_shapes_dict", None) or {}
-            shape = next(iter(input_shape.values()), None) if input_shape else None
-            if not model.built or shape is None:
+            shape = K.built_input_shape(model) if model.built else None
+            if shape is None:
                 raise ValueError(
-                    "`model` must be built before it can be wrapped: call it "
-                    "once on a batch (or call `model.build(input_shape)`). "
-                    f"Received: model={model.name!r} (built={model.built})"
+                    "`model` must be built on a single input before it can be "
+                    "wrapped: call it once on a batch (or call "
+                    "`model.build(input_shape)`), or subclass AccumulatingModel "
+                    f"instead. Received: model={model.name!r} (built={model.built})"
                 )
-            inputs = keras.Input(batch_shape=tuple(shape))
+            inputs = keras.Input(batch_shape=shape)
             outputs = model(inputs)
         return cls(inputs, outputs, name=name or model.name, **split)
 
@@ -238,6 +249,31 @@ class AccumulatingModel(K.keras.Model):
             # Python numbers baked into traced step functions go stale.
             self.train_function = self.test_function = self.predict_function = None
 
+    @property
+    def remat(self) -> str | list[str] | None:
+        """The recomputed segments: None, "auto" or the cut layers' names.
+
+        Setting it re-plans the segments and rebuilds the step functions.
+        """
+        return self._remat
+
+    @remat.setter
+    def remat(self, value):
+        self._set_remat(value)
+
+    def _set_remat(self, remat):
+        remat = _remat.validate_remat(remat)
+        if remat is not None and not isinstance(self, K.Functional):
+            raise ValueError(
+                "`remat` picks segments in a functional model's graph; a "
+                "subclassed model wraps its blocks in `keras_memopt.Remat` "
+                f"instead. Received: remat={remat!r} for {type(self).__name__}"
+            )
+        plan = _remat.build_plan(self, remat)
+        # A plain holder: Keras must not track the segments as sublayers.
+        self._remat, self._remat_plan = remat, plan
+        self.train_function = None
+
     def _micro_size(self, batch_size):
         if self._micro_batch_size is not None:
             return tf.constant(self._micro_batch_size, batch_size.dtype)
@@ -273,6 +309,8 @@ class AccumulatingModel(K.keras.Model):
     # -- the steps ----------------------------------------------------------------
 
     def _forward(self, x, training):
+        if training and self._remat_plan is not None:
+            return self._remat_plan(x, training=training)
         return self(x, training=training)
 
     def _micro_gradients(self, x, y, sample_weight, fraction):
@@ -283,7 +321,7 @@ class AccumulatingModel(K.keras.Model):
             share = loss * tf.cast(fraction, loss.dtype)
             scaled = K.scale_loss(self.optimizer, share)
         gradients = tape.gradient(scaled, self.trainable_variables)
-        self.compute_metrics(x, y, y_pred, sample_weight)
+        K.update_metrics(self, x, y, y_pred, sample_weight)
         return share, gradients
 
     def _loop(self, data, body, initial):
@@ -350,7 +388,7 @@ class AccumulatingModel(K.keras.Model):
         def body(x, y, sample_weight, fraction, loss):
             y_pred = self._forward(x, training=False)
             micro_loss = K.compute_loss(self, x, y, y_pred, sample_weight, training=False)
-            self.compute_metrics(x, y, y_pred, sample_weight)
+            K.update_metrics(self, x, y, y_pred, sample_weight)
             return (loss + tf.cast(micro_loss, tf.float32) * fraction,)
 
         batch_size, (loss,) = self._loop(data, body, (tf.constant(0.0),))
@@ -389,14 +427,17 @@ class AccumulatingModel(K.keras.Model):
         config = super().get_config()
         config["micro_batch_size"] = self._micro_batch_size
         config["accumulation_steps"] = self._accumulation_steps
+        config["remat"] = self._remat
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         split = {name: config.pop(name, None) for name in _SPLIT_ARGS}
+        remat = config.pop("remat", None)
         model = super().from_config(config, custom_objects=custom_objects)
         model._set_split(**split)
+        model._set_remat(remat)
         return model
 
 
