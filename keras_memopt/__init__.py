@@ -2,6 +2,7 @@
 
 from keras_memopt.models import AccumulatingModel
 
+from keras_memopt.remat import Remat
 __version__ = "0.1.0"
 
-__all__ = ["AccumulatingModel"]
+__all__ = ["AccumulatingModel", "Remat"]

@@ -57,6 +57,15 @@ def _slice(structure, start, size):
 def _accumulator_dtype(variable):
     dtype = tf.as_dtype(variable.dtype)
     return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
+def _check_remat_target(remat, functional, model):
+    if remat is not None and not functional:
+        raise ValueError(
+            "`remat` picks segments in a functional model's graph; a "
+            "subclassed model wraps its blocks in `keras_memopt.Remat` "
+            f"instead. Received: remat={remat!r} for {type(model).__name__}"
+        )
+
+
 
 
 class AccumulatingModel(K.keras.Model):
@@ -111,6 +120,16 @@ class AccumulatingModel(K.keras.Model):
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
+        remat: recomputed ("rematerialised") segments of a functional model:
+            their activations are freed after the forward pass and recomputed
+            in the backward pass, exactly (same dropout masks, BatchNorm
+            statistics updated once). `"auto"` chooses the segments from the
+            graph and its activation sizes (see `keras_memopt.remat.
+            plan_segments`); a list of layer names cuts the model after each
+            named layer, whose output must separate the graph, and recomputes
+            every segment but the last. Subclassed models wrap blocks in
+            `keras_memopt.Remat` instead. Defaults to `None` (no
+            recomputation).
     Example:
 
     ```python
@@ -153,12 +172,7 @@ class AccumulatingModel(K.keras.Model):
     ):
         split = _validate_split(micro_batch_size, accumulation_steps)
         remat = _remat.validate_remat(remat)
-        if remat is not None and not K.is_functional_call(args, kwargs):
-            raise ValueError(
-                "`remat` picks segments in a functional model's graph; a "
-                "subclassed model wraps its blocks in `keras_memopt.Remat` "
-                f"instead. Received: remat={remat!r} for {type(self).__name__}"
-            )
+        _check_remat_target(remat, K.is_functional_call(args, kwargs), self)
         super().__init__(*args, **kwargs)
         self._micro_batch_size, self._accumulation_steps = split
         self._micro_batch_jit_compile = False
@@ -175,6 +189,7 @@ class AccumulatingModel(K.keras.Model):
         name: str | None = None,
     ) -> AccumulatingModel:
         """Wraps an existing model; the result shares its layers and weights.
+        remat: str | list[str] | None = None,
 
         A functional or `Sequential` model is rebuilt as a functional
         `AccumulatingModel` over the same layers; a subclassed model is called
@@ -182,7 +197,8 @@ class AccumulatingModel(K.keras.Model):
 
         Args:
             model: a built `keras.Model`.
-            micro_batch_size, accumulation_steps: as for the constructor.
+            micro_batch_size, accumulation_steps, remat: as for the
+                constructor.
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
@@ -194,6 +210,7 @@ class AccumulatingModel(K.keras.Model):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "
+        _remat.validate_remat(remat)
                 f"Received: model={model!r} of type {type(model).__name__}"
             )
         try:
@@ -211,7 +228,7 @@ class AccumulatingModel(K.keras.Model):
                 )
             inputs = keras.Input(batch_shape=shape)
             outputs = model(inputs)
-        return cls(inputs, outputs, name=name or model.name, **split)
+        return cls(inputs, outputs, name=name or model.name, remat=remat, **split)
 
     # -- the micro-batch setting ------------------------------------------------
 
@@ -255,7 +272,7 @@ class AccumulatingModel(K.keras.Model):
 
         Setting it re-plans the segments and rebuilds the step functions.
         """
-        return self._remat
+        return self._remat if not isinstance(self._remat, tuple) else list(self._remat)
 
     @remat.setter
     def remat(self, value):
@@ -263,15 +280,11 @@ class AccumulatingModel(K.keras.Model):
 
     def _set_remat(self, remat):
         remat = _remat.validate_remat(remat)
-        if remat is not None and not isinstance(self, K.Functional):
-            raise ValueError(
-                "`remat` picks segments in a functional model's graph; a "
-                "subclassed model wraps its blocks in `keras_memopt.Remat` "
-                f"instead. Received: remat={remat!r} for {type(self).__name__}"
-            )
+        _check_remat_target(remat, isinstance(self, K.Functional), self)
         plan = _remat.build_plan(self, remat)
-        # A plain holder: Keras must not track the segments as sublayers.
-        self._remat, self._remat_plan = remat, plan
+        # Plain holders: Keras must not track the segments as sublayers.
+        self._remat = remat if remat is None or isinstance(remat, str) else tuple(remat)
+        self._remat_plan = plan
         self.train_function = None
 
     def _micro_size(self, batch_size):
@@ -427,7 +440,7 @@ class AccumulatingModel(K.keras.Model):
         config = super().get_config()
         config["micro_batch_size"] = self._micro_batch_size
         config["accumulation_steps"] = self._accumulation_steps
-        config["remat"] = self._remat
+        config["remat"] = self.remat
         return config
 
     @classmethod
