@@ -525,14 +525,28 @@ class TestSaving:
         x, y = _data(n=20)
         model = _mlp(AccumulatingModel, micro_batch_size=7)
         _fit(model, x, y, 20, epochs=1)
-        assert model.train_function is not None
+        function = model.train_function
         model.micro_batch_size = 3
-        assert model.train_function is None and model.micro_batch_size == 3
+        assert model.train_function is not function and model.micro_batch_size == 3
         reference = _mlp()
         _fit(reference, x, y, 20, epochs=1)
         model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
         reference.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
         _assert_same_weights(reference, model)
+
+
+class _ForwardCounter(layers.Layer):
+    """Identity that counts its forward passes in training."""
+
+    def build(self, input_shape):
+        self.forwards = self.add_weight(
+            name="forwards", shape=(), initializer="zeros", trainable=False
+        )
+
+    def call(self, inputs, training=None):
+        if training:
+            self.forwards.assign_add(1.0)
+        return inputs
 
 
 class TestBadInput:
@@ -554,6 +568,35 @@ class TestBadInput:
     def test_invalid_split_is_refused(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             _mlp(AccumulatingModel, **kwargs)
+
+    def test_micro_batch_size_can_change_mid_fit(self):
+        x, y = _data(n=60)
+
+        class Halve(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 0:
+                    self.model.micro_batch_size = 5
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        counter = _ForwardCounter()
+        model = AccumulatingModel(
+            inputs, layers.Dense(3)(counter(inputs)), micro_batch_size=20
+        )
+        reference_inputs = keras.Input((6,))
+        reference = keras.Model(reference_inputs, layers.Dense(3)(reference_inputs))
+        reference.layers[-1].set_weights(model.layers[-1].get_weights())
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(True))
+        reference.compile(
+            keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(True)
+        )
+        model.fit(x, y, batch_size=20, shuffle=False, verbose=0, callbacks=[Halve()])
+        reference.fit(x, y, batch_size=20, shuffle=False, verbose=0)
+        assert model.micro_batch_size == 5
+        # One forward for the first batch of 20, then four per batch.
+        assert float(counter.forwards.numpy()) == 1 + 4 + 4
+        for a, b in zip(reference.get_weights(), model.layers[-1].get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
     def test_setter_refuses_and_leaves_model_untouched(self):
         x, y = _data(n=20)
