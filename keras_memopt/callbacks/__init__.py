@@ -1,0 +1,6 @@
+"""Keras callbacks for training in limited memory."""
+
+from keras_memopt.callbacks.memory_logger import MemoryLogger
+from keras_memopt.callbacks.oom_backoff import OOMBackoff
+
+__all__ = ["MemoryLogger", "OOMBackoff"]

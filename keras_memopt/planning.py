@@ -1,0 +1,563 @@
+"""Estimate, measure and plan the memory of an `AccumulatingModel` train step."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from keras_memopt import _keras as K
+from keras_memopt.memory import format_bytes, parse_bytes
+
+keras = K.keras
+
+# Optimizer state per trainable variable, in copies of the variable, by class
+# name; `None` means "read the optimizer's configuration".
+_SLOTS = {
+    "SGD": None,
+    "Adam": None,
+    "AdamW": None,
+    "Adamax": 2,
+    "Nadam": 2,
+    "Lamb": 2,
+    "Lion": 1,
+    "Adagrad": 1,
+    "Adadelta": 2,
+    "Ftrl": 2,
+    "RMSprop": None,
+    "Adafactor": 0,  # factored: its state is far smaller than the variables
+}
+
+# Copies of a layer's output that its backward pass keeps alive, per layer
+# class, beyond the output itself (dropout keeps its mask, layer normalisation
+# its centred input and statistics, GELU its intermediate terms).
+_EXTRA_COPIES = {
+    "Dropout": 1.0,
+    "LayerNormalization": 2.0,
+    "BatchNormalization": 1.0,
+    "GroupNormalization": 2.0,
+}
+
+
+def _slot_copies(optimizer):
+    if optimizer is None:
+        return 0.0
+    config = optimizer.get_config()
+    name = type(optimizer).__name__
+    if name == "LossScaleOptimizer":
+        inner = getattr(optimizer, "inner_optimizer", None)
+        return _slot_copies(inner)
+    if name == "SGD":
+        copies = 1.0 if config.get("momentum") else 0.0
+    elif name in ("Adam", "AdamW"):
+        copies = 3.0 if config.get("amsgrad") else 2.0
+    elif name == "RMSprop":
+        copies = 1.0 + bool(config.get("momentum")) + bool(config.get("centered"))
+    elif name in _SLOTS:
+        copies = float(_SLOTS[name])
+    else:
+        # Unknown optimizer: Adam's two slots is the common case.
+        copies = 2.0
+    return copies + (1.0 if config.get("use_ema") else 0.0)
+
+
+def _nbytes(shape, dtype):
+    size = 1
+    for dim in shape:
+        if dim is None:
+            return None
+        size *= int(dim)
+    return size * tf.as_dtype(dtype).size
+
+
+def _per_sample(tensors):
+    """Bytes per sample of a (nest of) symbolic tensors, batch axis dropped."""
+    total = 0
+    for tensor in tf.nest.flatten(tensors):
+        shape = tuple(tensor.shape)[1:]
+        size = _nbytes(shape, tensor.dtype)
+        if size is None:
+            return None
+        total += size
+    return total
+
+
+def _leaf_layers(model):
+    for layer in model.layers:
+        if isinstance(layer, keras.Model) and hasattr(layer, "layers") and layer.layers:
+            yield from _leaf_layers(layer)
+        elif type(layer).__name__ != "InputLayer":
+            yield layer
+
+
+def _layer_activations(layer):
+    """(bytes per sample the backward pass keeps for `layer`, note)."""
+    try:
+        output = layer.output
+    except (AttributeError, ValueError, RuntimeError):
+        return 0, "output shape unknown (layer used more than once?)"
+    per_sample = _per_sample(output)
+    if per_sample is None:
+        return 0, "dynamic output shape"
+    name = type(layer).__name__
+    copies = 1.0 + _EXTRA_COPIES.get(name, 0.0)
+    activation = getattr(getattr(layer, "activation", None), "__name__", None)
+    if activation in ("gelu", "swish", "silu", "elu", "selu", "tanh", "sigmoid", "softmax"):
+        copies += 1.0
+    if name == "MultiHeadAttention":
+        return _attention_activations(layer, output, per_sample), ""
+    return int(per_sample * copies), ""
+
+
+def _attention_activations(layer, output, output_bytes):
+    # Query, key and value projections, the attention logits and their
+    # softmax (and dropout), the attended values and the output projection.
+    heads = layer.num_heads
+    key_dim = layer.key_dim
+    value_dim = layer.value_dim or key_dim
+    length = output.shape[1] if len(output.shape) == 3 else 1
+    itemsize = tf.as_dtype(output.dtype).size
+    projections = length * heads * (2 * key_dim + 2 * value_dim) * itemsize
+    scores = heads * length * length * itemsize * (3 if layer.dropout else 2)
+    return int(projections + scores + output_bytes)
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """The parts of one train step's peak memory, in bytes."""
+
+    batch_size: int
+    micro_batch_size: int
+    parameters: int
+    optimizer_slots: int
+    gradient_accumulators: int
+    micro_gradients: int
+    input_batch: int
+    activations: int
+    overhead: int = 0
+    calibrated: bool = False
+
+    @property
+    def peak(self) -> int:
+        return (
+            self.parameters
+            + self.optimizer_slots
+            + self.gradient_accumulators
+            + self.micro_gradients
+            + self.input_batch
+            + self.activations
+            + self.overhead
+        )
+
+    def rows(self):
+        """(part, bytes) rows for a table, the peak last."""
+        parts = [
+            ("parameters", self.parameters),
+            ("optimizer slots", self.optimizer_slots),
+            ("gradient accumulators", self.gradient_accumulators),
+            ("micro-batch gradients", self.micro_gradients),
+            (
+                "rest of the input batch (measured)"
+                if self.calibrated
+                else f"input batch ({self.batch_size} samples)",
+                self.input_batch,
+            ),
+            (f"activations ({self.micro_batch_size} samples)", self.activations),
+        ]
+        if self.overhead:
+            parts.append(("measured step overhead", self.overhead))
+        parts.append(("peak" + (" (calibrated)" if self.calibrated else ""), self.peak))
+        return parts
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """A recommended micro-batch setting for a batch size and a budget."""
+
+    batch_size: int
+    budget: int
+    micro_batch_size: int | None
+    remat: str | None
+    estimate: MemoryEstimate
+    fits: bool
+    note: str = ""
+
+    def table(self) -> str:
+        """The plan as a readable text table."""
+        width = max(len(name) for name, _ in self.estimate.rows()) + 2
+        lines = [f"{name:<{width}}{format_bytes(size):>12}" for name, size in self.estimate.rows()]
+        lines.append(f"{'budget':<{width}}{format_bytes(self.budget):>12}")
+        lines.append("")
+        steps = math.ceil(self.batch_size / self.micro_batch_size) if self.micro_batch_size else 0
+        lines.append(
+            f"recommendation: micro_batch_size={self.micro_batch_size}, remat={self.remat!r}"
+            + (f"  ({steps} micro-batches of a batch of {self.batch_size})" if steps else "")
+        )
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+
+def _remat_available():
+    return importlib.util.find_spec("keras_memopt.remat") is not None
+
+
+class MemoryPlanner:
+    """Estimates and plans the peak memory of training a model in micro-batches.
+
+    The estimate counts what an `AccumulatingModel` train step holds at its
+    peak: the parameters, the optimizer's slots, the float32 gradient
+    accumulators, one micro-batch's gradients, the whole input batch (the
+    effective batch arrives at once) and the activations that one
+    micro-batch's backward pass keeps, layer by layer.
+
+    An estimate from shapes alone misses what TensorFlow adds (workspace,
+    allocator rounding, copies a kernel makes). `profile()` runs real train
+    steps on a copy of the model on two small micro-batches, reads the
+    allocator's peak, and calibrates the activation and overhead terms, after
+    which `estimate()` and `plan()` use the measured figures.
+
+    Args:
+        model: a built `keras.Model` (an `AccumulatingModel` or a plain model).
+        optimizer: the optimizer to plan for: an instance or a name such as
+            `"adam"`. Defaults to the model's compiled optimizer, or Adam.
+        device: str, the device `profile()` measures on. Defaults to `"GPU:0"`
+            where there is a GPU, else `"CPU:0"`.
+
+    Example:
+
+    ```python
+    planner = MemoryPlanner(model, optimizer="adam")
+    planner.profile()                       # optional: one real step per size
+    plan = planner.plan(batch_size=256, budget="8GiB")
+    print(plan.table())
+    model = AccumulatingModel.from_model(model, micro_batch_size=plan.micro_batch_size)
+    ```
+
+    Raises:
+        ValueError: if the model is not built, or has no fixed input shape.
+    """
+
+    def __init__(self, model, optimizer=None, device: str | None = None):
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"`model` must be a `keras.Model`. Received: model={model!r} "
+                f"of type {type(model).__name__}"
+            )
+        if not model.built or not model.weights:
+            raise ValueError(
+                "The model must be built before its memory can be planned: "
+                "build it from `keras.Input`s, call it once on a batch, or call "
+                f"`model.build(input_shape)`. Received: model={model.name!r} "
+                f"(built={model.built})"
+            )
+        if optimizer is None:
+            optimizer = getattr(model, "optimizer", None) or "adam"
+        self.model = model
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.device = device
+        self._calibration = None
+        self.layers = self._layer_table()
+
+    # -- shapes ---------------------------------------------------------------------
+
+    def _layer_table(self):
+        rows = []
+        try:
+            inputs = self.model.inputs
+        except (AttributeError, ValueError):
+            inputs = None
+        for layer in _leaf_layers(self.model) if inputs else ():
+            size, note = _layer_activations(layer)
+            rows.append((layer.name, type(layer).__name__, size, note))
+        return rows
+
+    @property
+    def input_bytes_per_sample(self) -> int:
+        """Bytes of one sample of the inputs plus its (sparse) target."""
+        try:
+            inputs, outputs = self.model.inputs, self.model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs:
+            raise ValueError(
+                "The planner needs a model with known inputs: a functional or "
+                "Sequential model, or `AccumulatingModel.from_model(model)` of "
+                f"a built subclassed model. Received: model={self.model.name!r}"
+            )
+        size = _per_sample(inputs)
+        if size is None:
+            raise ValueError(
+                "The planner needs fixed input shapes apart from the batch "
+                "axis. Received: input shapes "
+                f"{[tuple(t.shape) for t in tf.nest.flatten(inputs)]}"
+            )
+        # Targets are counted as one class index per output row.
+        for output in tf.nest.flatten(outputs):
+            rows = _nbytes(tuple(output.shape)[1:-1], "int32")
+            size += rows or 4
+        return size
+
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        """Activation bytes one sample keeps alive for the backward pass."""
+        return sum(size for _, _, size, _ in self.layers)
+
+    def _weights(self):
+        trainable = self.model.trainable_weights
+        parameters = sum(_nbytes(v.shape, v.dtype) for v in self.model.weights)
+        grads = sum(_nbytes(v.shape, v.dtype) for v in trainable)
+        accumulators = sum(
+            _nbytes(v.shape, "float32" if tf.as_dtype(v.dtype).size < 4 else v.dtype)
+            for v in trainable
+        )
+        slots = int(_slot_copies(self.optimizer) * grads)
+        return parameters, slots, accumulators, grads
+
+    # -- estimate, profile, plan ------------------------------------------------
+
+    def estimate(self, batch_size: int, micro_batch_size: int | None = None) -> MemoryEstimate:
+        """The estimated peak memory of one train step.
+
+        Args:
+            batch_size: int, the effective batch (what the input pipeline
+                delivers).
+            micro_batch_size: int, samples per micro-batch. Defaults to
+                `batch_size` (no splitting).
+
+        Returns:
+            A `MemoryEstimate`; `.peak` is the total in bytes, calibrated when
+            `profile()` has run.
+        """
+        batch_size = _positive_int("batch_size", batch_size)
+        micro = batch_size if micro_batch_size is None else micro_batch_size
+        micro = min(_positive_int("micro_batch_size", micro), batch_size)
+        parameters, slots, accumulators, grads = self._weights()
+        estimate = MemoryEstimate(
+            batch_size=batch_size,
+            micro_batch_size=micro,
+            parameters=parameters,
+            optimizer_slots=slots,
+            gradient_accumulators=accumulators,
+            micro_gradients=grads,
+            input_batch=batch_size * self.input_bytes_per_sample,
+            activations=micro * self.activation_bytes_per_sample,
+        )
+        if self._calibration is not None:
+            # Measured: the step's transient memory at this micro-batch size
+            # (activations, gradients, accumulators, workspace) and the cost
+            # of the rest of the batch.
+            step = self._calibration.transient_at(micro)
+            estimate.input_batch = int((batch_size - micro) * self._calibration.per_extra_sample)
+            estimate.activations = int(micro * self.activation_bytes_per_sample)
+            estimate.overhead = int(
+                step - estimate.activations - estimate.gradient_accumulators
+                - estimate.micro_gradients
+            )
+            estimate.calibrated = True
+        return estimate
+
+    def profile(self, micro_batch_sizes: tuple[int, ...] = (16, 64)) -> dict[int, int]:
+        """Measures real train steps and calibrates the estimate with them.
+
+        A copy of the model (fresh weights; the model itself is not touched)
+        is trained as an `AccumulatingModel` on synthetic data, a few steps per
+        size, each batch one micro-batch, and the allocator's peak over the
+        last step, less what was in use before it, is the step's transient
+        memory. The rest of a larger batch is counted from its shapes.
+        Afterwards `estimate()` interpolates between the measured sizes, and
+        extrapolates beyond them with the measured slope (never below the
+        slope of the shape-based activation estimate).
+
+        Args:
+            micro_batch_sizes: two or more distinct ints, the micro-batch
+                sizes to measure. Defaults to `(16, 64)`. Measuring close to
+                the sizes you will plan for gives the closest estimates.
+
+        Returns:
+            A dict from micro-batch size to the measured peak in bytes of a
+            step whose batch is one micro-batch (parameters and optimizer
+            slots included).
+
+        Raises:
+            RuntimeError: if the device has no allocator figures (a CPU
+                without `TF_CPU_ALLOCATOR_USE_BFC=true`).
+        """
+        sizes = tuple(micro_batch_sizes)
+        sizes = sorted({_positive_int("micro_batch_sizes", s) for s in sizes})
+        if len(sizes) < 2:
+            raise ValueError(
+                "`micro_batch_sizes` must hold at least two distinct positive "
+                f"integers. Received: micro_batch_sizes={micro_batch_sizes!r}"
+            )
+        device = self.device or (
+            "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+        )
+        try:
+            tf.config.experimental.get_memory_info(device)
+        except ValueError as error:
+            raise RuntimeError(
+                f"`profile()` reads TensorFlow's allocator peak on {device}, which "
+                "gives no memory figures there. On a CPU, set "
+                "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts. "
+                f"Received: device={device!r}"
+            ) from error
+        parameters, slots, accumulators, grads = self._weights()
+        with tf.device(device):
+            model = _training_copy(self.model, self.optimizer)
+            transient = {m: _measure_step(model, self.model, m, m, device) for m in sizes}
+            del model
+        self._calibration = _Calibration(
+            sizes=sizes,
+            transient=[transient[m] for m in sizes],
+            per_extra_sample=self.input_bytes_per_sample,
+            min_slope=self.activation_bytes_per_sample,
+        )
+        return {size: parameters + slots + transient[size] for size in sizes}
+
+    def plan(
+        self,
+        batch_size: int,
+        budget,
+        margin: float = 0.1,
+    ) -> MemoryPlan:
+        """Recommends the micro-batch size (and remat) for a batch and a budget.
+
+        Picks the largest micro-batch size whose estimated peak, plus
+        `margin`, fits in `budget`, preferring sizes that divide the batch
+        evenly. Where not even a micro-batch of one sample fits, it
+        recommends `remat="auto"` (recomputing activations) when
+        `keras_memopt.remat` is available; its saving is not modelled, so
+        the plan's estimate is then an upper bound.
+
+        Args:
+            batch_size: int, the effective batch size.
+            budget: the memory available: bytes, or a string such as
+                `"8GiB"` or `"512MB"`.
+            margin: float, the share of the budget kept free for what the
+                estimate misses. Defaults to 0.1.
+
+        Returns:
+            A `MemoryPlan`; `plan.table()` is a readable summary.
+
+        Raises:
+            ValueError: if the budget is below what the parameters, optimizer
+                slots and gradients alone need, or an argument is invalid.
+        """
+        batch_size = _positive_int("batch_size", batch_size)
+        budget = parse_bytes(budget, "budget")
+        if not 0 <= margin < 1:
+            raise ValueError(f"`margin` must be in [0, 1). Received: margin={margin!r}")
+        usable = budget * (1 - margin)
+        smallest = self.estimate(batch_size, 1)
+        fixed = (
+            smallest.parameters + smallest.optimizer_slots
+            + smallest.gradient_accumulators + smallest.micro_gradients
+        )
+        if fixed > usable:
+            raise ValueError(
+                f"The budget of {format_bytes(budget)} is below what the parameters "
+                "alone need: parameters, optimizer slots, gradient accumulators "
+                f"and one set of gradients take {format_bytes(fixed)} (with a "
+                f"margin of {margin:.0%}). Raise the budget or use an optimizer "
+                f"with fewer slots. Received: budget={budget}"
+            )
+        if smallest.peak > usable:
+            remat = "auto" if _remat_available() else None
+            note = "Not even a micro-batch of one sample fits in the budget. " + (
+                "remat='auto' recomputes activations in the backward pass; its "
+                "saving is not modelled here, so check it with a real run."
+                if remat
+                else "Activation recomputation (keras_memopt.remat) is not available "
+                "in this version: lower the batch size or raise the budget."
+            )
+            return MemoryPlan(batch_size, budget, 1, remat, smallest, fits=False, note=note)
+        low, high = 1, batch_size  # the peak grows with the micro-batch size
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.estimate(batch_size, middle).peak <= usable:
+                low = middle
+            else:
+                high = middle - 1
+        even = max(d for d in _divisors(batch_size) if d <= low)
+        micro = even if even * 2 > low else low
+        return MemoryPlan(
+            batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
+        )
+
+
+def _positive_int(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _divisors(n):
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _training_copy(model, optimizer):
+    from keras_memopt.models import AccumulatingModel
+
+    copy = keras.models.clone_model(model)
+    if not isinstance(copy, AccumulatingModel):
+        copy = AccumulatingModel.from_model(copy)
+    optimizer = type(optimizer).from_config(optimizer.get_config())
+    copy.compile(optimizer=optimizer, loss="mse")
+    return copy
+
+
+@dataclasses.dataclass
+class _Calibration:
+    sizes: list
+    transient: list
+    per_extra_sample: float
+    min_slope: float
+
+    def transient_at(self, micro):
+        sizes, values = self.sizes, self.transient
+        if micro <= sizes[0]:
+            slope = (values[1] - values[0]) / (sizes[1] - sizes[0])
+            return max(values[0] - (sizes[0] - micro) * max(slope, 0.0), 0.0)
+        for i in range(1, len(sizes)):
+            if micro <= sizes[i]:
+                m0, m1, v0, v1 = sizes[i - 1], sizes[i], values[i - 1], values[i]
+                return v0 + (v1 - v0) * (micro - m0) / (m1 - m0)
+        slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
+        return values[-1] + (micro - sizes[-1]) * max(slope, self.min_slope)
+
+
+def _measure_step(model, source, batch, micro, device):
+    """Transient allocator bytes of one train step of `model`."""
+    model.micro_batch_size = micro
+    x, y = _synthetic_batch(source, batch)
+    # The first steps of a process or a new trace allocate one-off buffers.
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    tf.config.experimental.reset_memory_stats(device)
+    model.train_on_batch(x, y)
+    return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def _synthetic_batch(model, size):
+    def fill(tensor):
+        shape = (size, *tuple(tensor.shape)[1:])
+        dtype = tf.as_dtype(tensor.dtype)
+        if dtype.is_integer:
+            return np.zeros(shape, dtype.as_numpy_dtype)
+        return np.random.default_rng(0).random(shape, dtype=np.float32).astype(
+            dtype.as_numpy_dtype
+        )
+
+    x = tf.nest.map_structure(fill, model.inputs)
+    y = tf.nest.map_structure(fill, model.outputs)
+    if len(x) == 1:
+        x = x[0]
+    if len(y) == 1:
+        y = y[0]
+    return x, y
