@@ -91,7 +91,8 @@ def configure_devices(
     """
     if memory_growth is not None and not isinstance(memory_growth, bool):
         raise ValueError(
-            f"`memory_growth` must be True, False or None. Received: memory_growth={memory_growth!r}"
+            "`memory_growth` must be True, False or None. "
+            f"Received: memory_growth={memory_growth!r}"
         )
     if logical_devices is not None and (
         isinstance(logical_devices, bool) or not isinstance(logical_devices, int)

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_memopt.memory import MemoryReader, format_bytes, parse_bytes
+
+
+class TestParseBytes:
+    @pytest.mark.parametrize(
+        "text, expected",
+        [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+         ("100kb", 100_000), ("64", 64), (" 2 mib ", 2 * 2**20), (4096, 4096)],
+    )
+    def test_units(self, text, expected):
+        assert parse_bytes(text) == expected
+
+    @pytest.mark.parametrize("bad", ["8XB", "lots", "", "-1GB", 0, -5, None, True])
+    def test_unknown_unit_or_bad_value_is_refused(self, bad):
+        with pytest.raises(ValueError, match="Received: budget="):
+            parse_bytes(bad, "budget")
+
+    def test_format_bytes(self):
+        assert format_bytes(3 * 2**30) == "3.00 GiB"
+        assert format_bytes(1536 * 2**10) == "1.50 MiB"
+        assert format_bytes(12) == "12 B"
+
+
+class TestMemoryReader:
+    def test_reads_allocator_and_host_figures(self):
+        reader = MemoryReader(["CPU:0"], nvml=False)
+        figures = reader.read()
+        assert {"memory_cpu0_current_mib", "memory_cpu0_peak_mib", "memory_host_rss_mib"} <= set(
+            figures
+        )
+        assert figures["memory_cpu0_peak_mib"] >= figures["memory_cpu0_current_mib"]
+        assert figures["memory_host_rss_mib"] > 10
+
+    def test_peak_window_sees_a_freed_allocation(self):
+        reader = MemoryReader(["CPU:0"], host=False, nvml=False)
+        reader.reset_peaks()
+        before = reader.read()["memory_cpu0_current_mib"]
+        with tf.device("CPU:0"):
+            big = tf.ones((4 * 2**20 // 4,), tf.float32) + 1.0  # 4 MiB
+            del big
+        figures = reader.read()
+        np.testing.assert_allclose(figures["memory_cpu0_current_mib"], before, atol=0.5)
+        assert figures["memory_cpu0_peak_mib"] - before >= 3.9
+
+    def test_reset_starts_a_new_window(self):
+        reader = MemoryReader(["CPU:0"], host=False, nvml=False)
+        with tf.device("CPU:0"):
+            big = tf.ones((8 * 2**20 // 4,), tf.float32) * 2.0
+            del big
+        reader.reset_peaks()
+        figures = reader.read()
+        np.testing.assert_allclose(
+            figures["memory_cpu0_peak_mib"], figures["memory_cpu0_current_mib"], atol=0.5
+        )
+
+    def test_device_without_figures_is_left_out_with_a_reason(self):
+        reader = MemoryReader(["GPU:0"], host=False, nvml=False)
+        assert reader.read() == {}
+        assert "allocator GPU:0" in reader.unavailable
+        reader.reset_peaks()  # does nothing, raises nothing
+
+    def test_nvml_absent_is_recorded_not_raised(self):
+        reader = MemoryReader(["CPU:0"], host=False, nvml=True)
+        figures = reader.read()
+        if not any(name.startswith("memory_nvml") for name in figures):
+            assert "nvml" in reader.unavailable
+
+    def test_second_logical_cpu(self):
+        figures = MemoryReader(["CPU:1"], host=False, nvml=False).read()
+        assert "memory_cpu1_peak_mib" in figures
+
+    def test_devices_must_be_a_list(self):
+        with pytest.raises(ValueError, match="Received: devices='CPU:0'"):
+            MemoryReader("CPU:0")
