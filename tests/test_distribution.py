@@ -65,7 +65,8 @@ def test_two_workers_match_one_process(tmp_path):
     workers = []
     for index in range(2):
         env = dict(os.environ)
-        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        task = {"type": "worker", "index": index}
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
         workers.append(
             subprocess.Popen(
                 [sys.executable, "-c", WORKER, str(tmp_path / f"worker{index}.npz")],
