@@ -1,0 +1,167 @@
+"""`OOMBackoff`: survive out-of-memory errors by shrinking the micro-batch."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_memopt import _oom
+from keras_memopt._keras import keras
+
+
+class OOMBackoff(keras.callbacks.Callback):
+    """Shrinks the micro-batch and retries the batch when memory runs out.
+
+    Attach it to `fit` (and to `evaluate` or `predict`, which back off the
+    same way) of a `keras_memopt.AccumulatingModel`. When a step runs out of
+    device memory, everything the failed step may have changed (weights,
+    BatchNormalization statistics, optimizer variables and iterations, metric
+    state, random seed state) is put back as it was, `micro_batch_size` is
+    multiplied by `factor`, the step function is rebuilt, and the *same*
+    batch runs again. The effective batch (the batch the input pipeline
+    delivers) never changes, so neither does the result of training: no
+    sample is lost or seen twice and `optimizer.iterations` counts updates.
+
+    When the micro-batch cannot shrink any further (it is already
+    `min_micro_batch_size`), training stops with one
+    `tf.errors.ResourceExhaustedError` whose message says what failed to
+    allocate, how much device memory was in use, and what to try; the model
+    is left as it was before the failed step.
+
+    Each backoff prints one line when `verbose` is on and is recorded in
+    `backoffs`; the micro-batch in use is added to the training `logs` as
+    `"micro_batch_size"`, so `History`, `CSVLogger` and `TensorBoard` record
+    it. While attached, the model takes a snapshot of its state before each
+    step: no copy is made up front (TensorFlow tensors are immutable), but the
+    state a step rewrites (weights and optimizer slots) is held twice until
+    the step returns.
+
+    Args:
+        factor: float in (0, 1), what the micro-batch is multiplied by at each
+            backoff (rounded down, and always at least one sample smaller).
+            Defaults to `0.5`.
+        min_micro_batch_size: int, the smallest micro-batch to try. Defaults
+            to `1`.
+        verbose: int, 0 for quiet, 1 to print a line per backoff. Defaults to
+            `1`.
+
+    Example:
+
+    ```python
+    model = keras_memopt.AccumulatingModel(inputs, outputs, micro_batch_size=256)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    backoff = keras_memopt.callbacks.OOMBackoff(factor=0.5, min_micro_batch_size=8)
+    history = model.fit(x, y, batch_size=1024, callbacks=[backoff])
+    history.history["micro_batch_size"]  # e.g. [128, 128]
+    backoff.backoffs  # [{'kind': 'train', 'failed_micro_batch_size': 256, ...}]
+    ```
+
+    Raises:
+        ValueError: if `factor` is not in (0, 1) or `min_micro_batch_size` is
+            not a positive integer.
+        TypeError: at the start of `fit`, `evaluate` or `predict`, if the model
+            is not an `AccumulatingModel` (a plain `keras.Model` cannot split
+            a batch, so there is nothing to shrink).
+    """
+
+    def __init__(
+        self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1
+    ):
+        super().__init__()
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+            0 < factor < 1
+        ):
+            raise ValueError(
+                "`factor` must be a number between 0 and 1 (exclusive), the "
+                f"fraction of the micro-batch to keep. Received: factor={factor!r}"
+            )
+        if (
+            isinstance(min_micro_batch_size, bool)
+            or not isinstance(min_micro_batch_size, int)
+            or min_micro_batch_size < 1
+        ):
+            raise ValueError(
+                "`min_micro_batch_size` must be a positive integer. "
+                f"Received: min_micro_batch_size={min_micro_batch_size!r}"
+            )
+        self.factor = float(factor)
+        self.min_micro_batch_size = min_micro_batch_size
+        self.verbose = verbose
+        self.backoffs: list[dict] = []
+        self._depth = 0
+
+    # -- attaching to the model -------------------------------------------------------
+
+    def _attach(self):
+        from keras_memopt.models import AccumulatingModel
+
+        model = self.model
+        if not isinstance(model, AccumulatingModel):
+            raise TypeError(
+                "OOMBackoff shrinks the micro-batch of a "
+                "`keras_memopt.AccumulatingModel`; a plain Keras model runs "
+                "each batch whole and cannot retry a batch, so there is "
+                "nothing to back off. Wrap the model and compile it again: "
+                "`model = keras_memopt.AccumulatingModel.from_model(model)`, "
+                "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
+                f"Received: a model of type {type(model).__name__}"
+            )
+        if self._depth == 0:
+            backoffs = model.__dict__.setdefault("_oom_backoffs", [])
+            if self not in backoffs:
+                backoffs.append(self)
+        self._depth += 1
+
+    def _detach(self):
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self.model is not None:
+            backoffs = self.model.__dict__.get("_oom_backoffs", [])
+            if self in backoffs:
+                backoffs.remove(self)
+
+    def on_train_begin(self, logs=None):
+        self.backoffs = []
+        self._depth = 0
+        self._attach()
+
+    def on_train_end(self, logs=None):
+        self._detach()
+
+    def on_test_begin(self, logs=None):
+        self._attach()
+
+    def on_test_end(self, logs=None):
+        self._detach()
+
+    def on_predict_begin(self, logs=None):
+        self._attach()
+
+    def on_predict_end(self, logs=None):
+        self._detach()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and "micro_batch_size" not in logs:
+            size = self.model.micro_batch_size
+            if isinstance(size, int):
+                logs["micro_batch_size"] = size
+
+    # -- backing off (called by the model's step function) ---------------------------
+
+    def _shrink(self, model, kind, current, error):
+        """The next micro-batch size after `error`, or the final report."""
+        minimum = self.min_micro_batch_size
+        if current is None or current <= minimum:
+            self._depth = 0
+            model.__dict__.get("_oom_backoffs", []).clear()
+            raise tf.errors.ResourceExhaustedError(
+                None, None, _oom.oom_report(error, current, minimum)
+            ) from error
+        new = max(minimum, min(current - 1, int(current * self.factor)))
+        if self.verbose:
+            info = _oom.parse_oom(str(error))
+            where = f" ({_oom.describe_allocation(info)})" if any(info.values()) else ""
+            print(
+                f"OOMBackoff: out of memory in a {kind} step at "
+                f"micro_batch_size={current}{where}; retrying the same batch "
+                f"with micro_batch_size={new}."
+            )
+        return new
