@@ -221,9 +221,6 @@ class Remat(keras.layers.Wrapper):
             return self.layer(*args, **kwargs)
         return recompute(self.layer, self.layer, args, kwargs)
 
-    def compute_output_shape(self, *args, **kwargs):
-        return self.layer.compute_output_shape(*args, **kwargs)
-
 
 def _check_no_activity_regularizer(layers, where):
     for layer in layers:
@@ -278,12 +275,14 @@ class _Graph:
                 producer[id(tensor)] = index
         self.ancestors = [0] * count
         children = [[] for _ in range(count)]
+        self.children = [0] * count
         for index, (_, inputs, _) in enumerate(self.nodes):
             for tensor in inputs:
                 parent = producer.get(id(tensor))
                 if parent is not None:
                     self.ancestors[index] |= self.ancestors[parent] | (1 << parent)
                     children[parent].append(index)
+                    self.children[parent] |= 1 << index
         self.descendants = [0] * count
         for index in reversed(range(count)):
             for child in children[index]:
@@ -303,11 +302,33 @@ class _Graph:
     def is_input(self, index):
         return not self.nodes[index][1]
 
+    def _name(self, index):
+        return repr(self.nodes[index][0].name)
+
     def bypass(self, index):
-        """A node that neither feeds node `index` nor depends on it, or None."""
+        """Why node `index`'s output does not separate the graph, or None.
+
+        It separates it when every other node feeds it or depends on it and no
+        tensor computed before it is used after it (a skip connection).
+        """
         related = self.ancestors[index] | self.descendants[index] | (1 << index)
         missing = self.everything & ~related
-        return None if not missing else (missing & -missing).bit_length() - 1
+        if missing:
+            other = (missing & -missing).bit_length() - 1
+            return f"layer {self._name(other)} neither feeds it nor depends on it"
+        before, upto = self.ancestors[index], self.ancestors[index] | (1 << index)
+        rest = before
+        while rest:
+            parent = (rest & -rest).bit_length() - 1
+            rest &= rest - 1
+            later = self.children[parent] & ~upto
+            if later:
+                child = (later & -later).bit_length() - 1
+                return (
+                    f"the output of layer {self._name(parent)} skips past it to "
+                    f"layer {self._name(child)}"
+                )
+        return None
 
     def separates(self, index):
         outputs = self.nodes[index][2]
@@ -423,12 +444,8 @@ def plan_segments(model, remat):
                 f"end the recomputed segments. Received: remat={remat!r}"
             )
         if not graph.separates(index):
-            bypass = graph.bypass(index)
-            reason = (
-                f"layer {graph.nodes[bypass][0].name!r} neither feeds it nor "
-                "depends on it, so its activations would have to be kept"
-                if bypass is not None
-                else "its output is a model output or is not a single tensor"
+            reason = graph.bypass(index) or (
+                "its output is a model output or is not a single tensor"
             )
             raise ValueError(
                 f"Layer {name!r} does not separate the graph of model "

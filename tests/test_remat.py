@@ -1,0 +1,394 @@
+"""Remat and AccumulatingModel(remat=...): exact recomputation, segment choice, bad input."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import LEGACY
+
+from keras_memopt import AccumulatingModel, Remat
+from keras_memopt._keras import keras
+from keras_memopt.remat import plan_segments
+
+layers = keras.layers
+
+# Recomputation runs the same operations on the same values in the same
+# order, so results agree to the last bit; 1e-6 leaves room for nothing else.
+EXACT = dict(rtol=0, atol=1e-6)
+
+
+def _dropout(rate, seed, name=None):
+    """A Dropout whose masks a plain (not recomputed) model reproduces.
+
+    Keras 3 draws masks from a seed-generator variable that the tests reset;
+    tf_keras's default dropout uses stateful random ops that no second model
+    can reproduce, so its comparisons use its stateless dropout (the default
+    kind is covered by `test_recomputation_replays_the_dropout_mask`).
+    """
+    if LEGACY:
+        return layers.Dropout(rate, seed=seed, rng_type="stateless", name=name)
+    return layers.Dropout(rate, seed=seed, name=name)
+
+
+def _chain(remat=None, micro_batch_size=None, depth=6, width=32, dropout=0.3, **kwargs):
+    """A functional MLP with Dropout and BatchNormalization after each layer."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,), name="x")
+    x = inputs
+    for i in range(depth):
+        x = layers.Dense(width, activation="relu", name=f"dense{i}")(x)
+        if dropout:
+            x = _dropout(dropout, seed=i, name=f"drop{i}")(x)
+        x = layers.BatchNormalization(name=f"bn{i}")(x)
+    outputs = layers.Dense(3, name="head")(x)
+    return AccumulatingModel(
+        inputs, outputs, remat=remat, micro_batch_size=micro_batch_size, **kwargs
+    )
+
+
+def _residual(blocks=4, width=16):
+    """A functional model of residual blocks: only block outputs separate it."""
+    inputs = keras.Input((width,))
+    x = layers.Dense(width, name="stem")(inputs)
+    for i in range(blocks):
+        h = layers.Dense(width, activation="relu", name=f"block{i}_a")(x)
+        h = layers.Dense(width, name=f"block{i}_b")(h)
+        x = layers.Add(name=f"block{i}_out")([x, h])
+    return AccumulatingModel(inputs, layers.Dense(3, name="head")(x), remat=None)
+
+
+def _data(n=64, features=16, classes=3, seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.rand(n, features).astype("float32"), rng.randint(0, classes, n)
+
+
+def _fit(model, x, y, batch_size=64, epochs=2, **compile_kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **compile_kwargs,
+    )
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _assert_same_state(a, b, **tolerance):
+    # `weights` include BatchNormalization's moving statistics.
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb, strict=True):
+        np.testing.assert_allclose(x, y, **(tolerance or EXACT))
+
+
+def _peak_bytes_of_fit(model, x, y, batch_size):
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace and warm up
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+
+
+class TestRemat:
+    @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+    def test_recomputation_replays_the_dropout_mask(self, graph):
+        # Default Dropout on both Keras lines. The input gradient of
+        # sum(c * dropout(x)) is c / (1 - rate) where the forward pass kept an
+        # element and 0 where it dropped it; a recomputation that drew a new
+        # mask would put gradient on dropped elements.
+        layer = Remat(layers.Dropout(0.5))
+        x = tf.ones((64, 32))
+        c = tf.constant(np.random.RandomState(0).rand(64, 32).astype("float32") + 0.5)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                loss = tf.reduce_sum(c * y)
+            return y, tape.gradient(loss, x)
+
+        if graph:
+            step = tf.function(step)
+        for _ in range(2):  # a second step draws a different mask
+            y, gradient = step(x)
+            kept = y.numpy() != 0
+            assert 0.3 < kept.mean() < 0.7
+            np.testing.assert_allclose(gradient, np.where(kept, c / 0.5, 0.0), rtol=1e-6)
+
+    def test_gradients_equal_the_unwrapped_block(self):
+        keras.utils.set_random_seed(0)
+        block = keras.Sequential(
+            [
+                layers.Dense(32, activation="relu"),
+                _dropout(0.5, seed=1),
+                layers.BatchNormalization(),
+                layers.Dense(8),
+            ]
+        )
+        block.build((None, 16))
+        x = tf.constant(np.random.RandomState(0).rand(32, 16).astype("float32"))
+        state = [v.numpy() for v in block.variables]  # seed states included (Keras 3)
+
+        def gradients(layer):
+            for variable, value in zip(block.variables, state, strict=True):
+                variable.assign(value)
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    loss = tf.reduce_sum(layer(x, training=True) ** 2)
+                return tape.gradient(loss, [x, *block.trainable_variables])
+
+            return step(), [v.numpy() for v in block.non_trainable_weights]
+
+        (plain, plain_stats), (remat, remat_stats) = gradients(block), gradients(Remat(block))
+        assert np.abs(plain[0].numpy()).max() > 0
+        for a, b in zip(plain + plain_stats, remat + remat_stats, strict=True):
+            np.testing.assert_allclose(a, b, **EXACT)
+
+    def test_batchnorm_moving_statistics_update_once(self):
+        layer = Remat(layers.BatchNormalization(momentum=0.5))
+        x = tf.constant(np.random.RandomState(0).rand(32, 4).astype("float32") + 1.0)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x, training=True) ** 2)
+            return tape.gradient(loss, x)
+
+        step()
+        # One update from 0 with momentum 0.5 lands halfway to the batch mean;
+        # a second (recomputed) update would land three quarters of the way.
+        np.testing.assert_allclose(
+            layer.layer.moving_mean.numpy(), 0.5 * x.numpy().mean(axis=0), rtol=1e-6
+        )
+
+    @pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+    def test_subclassed_model_trains_exactly_like_unwrapped(self, run_eagerly):
+        class Net(AccumulatingModel):
+            def __init__(self, wrap):
+                super().__init__(micro_batch_size=16)
+                self.blocks = []
+                for i in range(3):
+                    block = keras.Sequential(
+                        [
+                            layers.Dense(32, activation="relu"),
+                            _dropout(0.3, seed=i),
+                            layers.BatchNormalization(),
+                        ]
+                    )
+                    self.blocks.append(Remat(block) if wrap else block)
+                self.head = layers.Dense(3)
+
+            def call(self, x, training=None):
+                for block in self.blocks:
+                    x = block(x, training=training)
+                return self.head(x)
+
+        x, y = _data()
+        models = []
+        for wrap in (False, True):
+            keras.utils.set_random_seed(0)
+            model = Net(wrap)
+            model(x[:1])
+            models.append(_fit(model, x, y, run_eagerly=run_eagerly))
+        _assert_same_state(*models)
+
+    def test_peak_memory_falls(self):
+        def net(wrap):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((256,))
+            x = inputs
+            for _ in range(8):
+                block = keras.Sequential(
+                    [layers.Dense(256, activation="relu"), layers.Dense(256, activation="relu")]
+                )
+                x = (Remat(block) if wrap else block)(x)
+            return AccumulatingModel(inputs, layers.Dense(1)(x))
+
+        x = np.random.RandomState(0).rand(1024, 256).astype("float32")
+        y = np.zeros((1024, 1), "float32")
+        peaks = {}
+        for wrap in (False, True):
+            model = net(wrap)
+            model.compile("sgd", "mse")
+            peaks[wrap] = _peak_bytes_of_fit(model, x, y, 1024)
+        # 16 activations of 1 MiB each: recomputed blocks keep 8 of them.
+        assert peaks[True] < 0.75 * peaks[False], peaks
+
+    def test_keras_file_round_trip(self, tmp_path):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        block = keras.Sequential([layers.Dense(8, activation="relu"), layers.Dense(8)])
+        model = keras.Model(inputs, layers.Dense(2)(Remat(block, name="remat")(inputs)))
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        assert isinstance(loaded.get_layer("remat"), Remat)
+        x = np.random.RandomState(0).rand(4, 8).astype("float32")
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+    def test_refuses_what_it_cannot_recompute(self):
+        with pytest.raises(TypeError, match="wraps a Keras layer.*Received: layer="):
+            Remat(lambda x: x)
+        regularised = layers.Dense(4, activity_regularizer="l2", name="noisy")
+        with pytest.raises(ValueError, match="cannot recompute layer 'noisy'"):
+            Remat(regularised)
+
+
+class TestSegmentChoice:
+    def test_auto_gives_about_sqrt_n_segments_on_a_uniform_chain(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64,))
+        x = inputs
+        for _ in range(16):
+            x = layers.Dense(64, activation="relu")(x)
+        model = AccumulatingModel(inputs, layers.Dense(64)(x))
+        cuts, _ = plan_segments(model, "auto")
+        assert 3 <= len(cuts) + 1 <= 6, cuts  # sqrt(17) ~ 4 segments
+
+    def test_auto_cuts_only_where_one_tensor_separates_the_graph(self):
+        model = _residual(blocks=6)
+        cuts, graph = plan_segments(model, "auto")
+        names = [graph.nodes[i][0].name for i in cuts]
+        assert names, names
+        # Inside a block the skip connection bypasses every layer.
+        assert all(n == "stem" or n.endswith("_out") for n in names), names
+
+    @pytest.mark.slow
+    def test_auto_on_keras_application_resnet(self):
+        base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+        model = AccumulatingModel.from_model(base, remat="auto")
+        names = [s.layers[-1].name for s in model._remat_plan.segments[:-1]]
+        assert 3 <= len(names) <= 16, names
+        # Block outputs (the addition or the activation after it) and the stem.
+        assert all(n.endswith(("_out", "_add")) or n.startswith(("pool1", "conv1")) for n in names)
+
+
+class TestSegments:
+    @pytest.mark.parametrize(
+        "remat, micro_batch_size, run_eagerly",
+        [("auto", None, False), ("auto", 16, False), (["bn1", "bn3"], 16, False), ("auto", 16, True)],
+    )
+    def test_training_matches_no_recomputation(self, remat, micro_batch_size, run_eagerly):
+        x, y = _data()
+        plain = _fit(_chain(None, micro_batch_size), x, y, run_eagerly=run_eagerly)
+        model = _chain(remat, micro_batch_size)
+        assert model._remat_plan is not None
+        _fit(model, x, y, run_eagerly=run_eagerly)
+        _assert_same_state(plain, model)
+
+    def test_xla_micro_batches_match_no_recomputation(self):
+        x, y = _data()
+        plain = _fit(_chain(None, 16, dropout=0), x, y, jit_compile=True)
+        model = _fit(_chain("auto", 16, dropout=0), x, y, jit_compile=True)
+        assert model.micro_batch_jit_compile
+        _assert_same_state(plain, model, rtol=1e-5, atol=1e-6)
+
+    def test_mirrored_strategy_matches_no_recomputation(self):
+        x, y = _data()
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        models = []
+        for remat in (None, "auto"):
+            with strategy.scope():
+                models.append(_fit(_chain(remat, 8, dropout=0), x, y))
+        _assert_same_state(*models)
+
+    def test_mixed_precision_matches_no_recomputation(self):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            x, y = _data()
+            plain = _fit(_chain(None, 16), x, y)
+            model = _fit(_chain("auto", 16), x, y)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        _assert_same_state(plain, model)
+
+    @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+    def test_peak_memory_falls(self, jit_compile):
+        x = np.random.RandomState(0).rand(2048, 16).astype("float32")
+        y = np.zeros(2048, "int64")
+        peaks = {}
+        for remat in (None, "auto"):
+            model = _chain(remat, depth=12, width=256, dropout=0)
+            model.compile(
+                "sgd",
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=jit_compile,
+            )
+            peaks[remat] = _peak_bytes_of_fit(model, x, y, 2048)
+        assert peaks["auto"] < 0.75 * peaks[None], peaks
+
+    def test_setting_survives_config_and_keras_file(self, tmp_path):
+        model = _chain(["bn1", "bn3"], 16)
+        assert model.get_config()["remat"] == ["bn1", "bn3"]
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        assert isinstance(loaded, AccumulatingModel)
+        assert loaded.remat == ["bn1", "bn3"]
+        assert len(loaded._remat_plan.segments) == 3
+        auto = AccumulatingModel.from_config(_chain("auto").get_config())
+        assert auto.remat == "auto" and auto._remat_plan is not None
+
+    def test_setter_replans(self):
+        model = _chain()
+        assert model._remat_plan is None
+        model.remat = ["bn2"]
+        assert len(model._remat_plan.segments) == 2
+        model.remat = None
+        assert model._remat_plan is None
+
+
+class TestBadInput:
+    def test_unknown_layer_is_named(self):
+        with pytest.raises(ValueError, match="names layer 'nope', which is not in model"):
+            _chain(["bn1", "nope"])
+
+    def test_layer_that_does_not_separate_the_graph_is_named(self):
+        model = _residual()
+        with pytest.raises(
+            ValueError, match="Layer 'block1_a' does not separate.*output of layer 'block0_out' skips past it"
+        ):
+            model.remat = ["block1_a"]
+        assert model.remat is None and model._remat_plan is None
+
+    def test_input_layer_and_output_layer_are_refused(self):
+        with pytest.raises(ValueError, match="'x' is an input.*nothing before it"):
+            _chain(["x"])
+        with pytest.raises(ValueError, match="'head' does not separate"):
+            _chain(["head"])
+
+    @pytest.mark.parametrize("remat", ["full", [], ["bn1", "bn1"], [3], "AUTO"])
+    def test_invalid_values_are_refused(self, remat):
+        with pytest.raises(ValueError, match="`remat`.*Received: remat="):
+            _chain(remat)
+
+    def test_subclassed_model_is_pointed_to_the_wrapper(self):
+        class Net(AccumulatingModel):
+            def __init__(self):
+                super().__init__(remat="auto")
+
+        with pytest.raises(ValueError, match="wraps its blocks in `keras_memopt.Remat`"):
+            Net()
+
+    def test_nothing_to_recompute_warns_and_trains(self):
+        inputs = keras.Input((4,))
+        with pytest.warns(UserWarning, match="found nothing worth recomputing"):
+            model = AccumulatingModel(inputs, layers.Dense(3)(inputs), remat="auto")
+        assert model._remat_plan is None
+        _fit(model, *_data(features=4))
+
+    def test_activity_regulariser_in_a_segment_is_refused(self):
+        inputs = keras.Input((4,))
+        x = layers.Dense(4, activity_regularizer="l2", name="noisy")(inputs)
+        x = layers.Dense(4, name="cut")(x)
+        outputs = layers.Dense(2)(x)
+        with pytest.raises(ValueError, match="cannot recompute layer 'noisy'"):
+            AccumulatingModel(inputs, outputs, remat=["cut"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AccumulatingModel(inputs, outputs, remat="auto")
+        assert model._remat_plan is None
