@@ -144,6 +144,10 @@ class MemoryLogger(keras.callbacks.Callback):
         self.overwrite = overwrite
         self.verbose = verbose
         self.reader = MemoryReader(devices)
+        if every_n_batches:
+            # Only then: Keras dispatches steps without waiting for callbacks
+            # when none has a batch hook, which keeps per-epoch logging free.
+            self.on_train_batch_end = self._read_batch
         self.rows: list[dict] = []
         self._files = []
         self._written = set()
@@ -256,9 +260,9 @@ class MemoryLogger(keras.callbacks.Callback):
         self._epoch_peaks = {}
         self._start_window()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def _read_batch(self, batch, logs=None):
         self._step += 1
-        if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
+        if (batch + 1) % self.every_n_batches == 0:
             figures = self._read()
             self._start_window()
             for name, value in figures.items():
@@ -267,6 +271,9 @@ class MemoryLogger(keras.callbacks.Callback):
             self._record(self._epoch, batch, figures)
 
     def on_epoch_end(self, epoch, logs=None):
+        if not self.every_n_batches:
+            # No batch hook counts steps in this mode: the epoch's steps do.
+            self._step += (self.params or {}).get("steps") or 0
         figures = self._read()
         for name, value in self._epoch_peaks.items():
             if name in figures:
