@@ -155,6 +155,20 @@ def nested_inputs_outputs(model):
     return model._inputs_struct, model._outputs_struct
 
 
+def functional_config(model, config):
+    """`config` completed with the layer graph of a functional `model`.
+
+    tf_keras leaves the graph out of the config of a functional subclass whose
+    constructor differs from `Functional`'s (AccumulatingModel's takes
+    `*args, **kwargs`), so it could not be saved, loaded or cloned; a plain
+    functional view on the same layers supplies it.
+    """
+    if not LEGACY or not isinstance(model, Functional) or "layers" in config:
+        return config
+    view = Functional(*nested_inputs_outputs(model), name=model.name)
+    return {**view.get_config(), **config}
+
+
 def _random_generators(layer):
     """tf_keras `RandomGenerator`s of `layer` and the layers inside it."""
     generators = []

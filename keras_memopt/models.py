@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt import pruning as _pruning
 from keras_memopt import remat as _remat
 
 keras = K.keras
@@ -373,9 +374,16 @@ class AccumulatingModel(K.keras.Model):
         if self._micro_batch_jit_compile:
             micro_gradients = tf.function(micro_gradients, jit_compile=True)
         missing = set()  # variables the loss does not depend on
+        # Update counters that layers advance at each training call (tfmot's
+        # `pruning_step`) restart from the same value in every micro-batch, so
+        # they advance once per update.
+        counters = _pruning.step_counters(self)
+        starts = [c.read_value() for c in counters]
 
         def body(x, y, sample_weight, fraction, loss, sums):
-            share, gradients = micro_gradients(x, y, sample_weight, fraction)
+            restarts = [c.assign(s) for c, s in zip(counters, starts, strict=True)]
+            with tf.control_dependencies(restarts):
+                share, gradients = micro_gradients(x, y, sample_weight, fraction)
             new_sums = []
             for index, (total, gradient) in enumerate(zip(sums, gradients, strict=True)):
                 if gradient is None:
@@ -437,7 +445,7 @@ class AccumulatingModel(K.keras.Model):
     # -- serialisation ---------------------------------------------------------------
 
     def get_config(self):
-        config = super().get_config()
+        config = K.functional_config(self, super().get_config())
         config["micro_batch_size"] = self._micro_batch_size
         config["accumulation_steps"] = self._accumulation_steps
         config["remat"] = self.remat

@@ -504,7 +504,6 @@ class TestSaving:
         assert isinstance(clone, AccumulatingModel)
         assert clone.accumulation_steps == 4 and clone.micro_batch_size is None
 
-    @pytest.mark.skipif(LEGACY, reason="the .keras format is Keras 3's")
     def test_keras_file_round_trip(self, tmp_path):
         x, y = _data()
         model = _mlp(AccumulatingModel, micro_batch_size=7)

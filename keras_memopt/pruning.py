@@ -1,0 +1,195 @@
+"""Magnitude pruning of an `AccumulatingModel` with tensorflow-model-optimization.
+
+tensorflow-model-optimization (tfmot) works only with tf_keras (Keras 2), so
+pruning needs `TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported, and
+the `tfmot` extra (`pip install keras_memopt[tfmot]`). The functions here are
+tfmot's `prune_low_magnitude` and `strip_pruning` with two additions: the
+model that comes back is still an `AccumulatingModel` with the same
+micro-batch setting (tfmot rebuilds a plain functional model), and asking for
+pruning on Keras 3 fails with an error that says how to switch.
+
+Train the pruned model with tfmot's own `UpdatePruningStep` callback. An
+`AccumulatingModel` advances the wrappers' `pruning_step` once per optimizer
+update, as plain Keras does, not once per micro-batch, so a pruning schedule
+(`begin_step`, `end_step`, `frequency`) counts the same steps as it would
+without accumulation.
+
+Example:
+
+```python
+# TF_USE_LEGACY_KERAS=1 must be set before TensorFlow is imported.
+import tensorflow_model_optimization as tfmot
+import keras_memopt as kmo
+
+model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=32)
+schedule = tfmot.sparsity.keras.PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000)
+pruned = kmo.pruning.prune_low_magnitude(model, pruning_schedule=schedule)
+pruned.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+pruned.fit(x, y, batch_size=256, epochs=4,
+           callbacks=[tfmot.sparsity.keras.UpdatePruningStep()])
+exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
+```
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_memopt import _keras as K
+
+__all__ = ["prune_low_magnitude", "strip_pruning"]
+
+
+def _keras_3_error():
+    return RuntimeError(
+        "Pruning uses tensorflow-model-optimization, which works only with "
+        "tf_keras (Keras 2), but keras_memopt is running on Keras 3. Set the "
+        "environment variable TF_USE_LEGACY_KERAS=1 before TensorFlow is "
+        "imported (for example `TF_USE_LEGACY_KERAS=1 python train.py`), "
+        "install the extra with `pip install keras_memopt[tfmot]`, and build "
+        "the model with `tf_keras` (or `tf.keras`). "
+        f"Received: Keras {K.keras.__version__} with "
+        "TF_USE_LEGACY_KERAS unset"
+    )
+
+
+def _sparsity():
+    """tfmot's `sparsity.keras` module, or a clear error saying what to do."""
+    if not K.LEGACY:
+        raise _keras_3_error()
+    try:
+        import tensorflow_model_optimization as tfmot
+    except ImportError as error:
+        raise ImportError(
+            "Pruning needs tensorflow-model-optimization, which is not "
+            "installed. Install it with `pip install keras_memopt[tfmot]`. "
+            f"Received: {error}"
+        ) from error
+    return tfmot.sparsity.keras
+
+
+def _check_model(model, expected=None):
+    expected = expected or K.keras.Model
+    if not isinstance(model, expected):
+        raise TypeError(
+            f"`model` must be a tf_keras `{expected.__name__}`: with "
+            "TF_USE_LEGACY_KERAS=1, build it with `tf_keras` or `tf.keras`, not "
+            "with `import keras`, which is Keras 3. Received: "
+            f"model={model!r} of type {type(model).__module__}.{type(model).__name__}"
+        )
+
+
+def _rewrap(original, rebuilt):
+    """`rebuilt` (tfmot's functional clone of `original`) as an
+    `AccumulatingModel` with `original`'s settings; other models unchanged."""
+    from keras_memopt.models import AccumulatingModel
+
+    if not isinstance(original, AccumulatingModel) or isinstance(rebuilt, AccumulatingModel):
+        return rebuilt
+    remat = original.remat
+    if isinstance(remat, list):
+        # The clone has the same layers in the same order, some renamed by
+        # their pruning wrappers.
+        names = {
+            old.name: new.name
+            for old, new in zip(original.layers, rebuilt.layers, strict=True)
+        }
+        remat = [names[name] for name in remat]
+    inputs, outputs = K.nested_inputs_outputs(rebuilt)
+    return type(original)(
+        inputs,
+        outputs,
+        name=rebuilt.name,
+        micro_batch_size=original.micro_batch_size,
+        accumulation_steps=original.accumulation_steps,
+        remat=remat,
+    )
+
+
+def prune_low_magnitude(model, **kwargs):
+    """Wraps a model's prunable layers for magnitude pruning (tfmot).
+
+    Calls `tfmot.sparsity.keras.prune_low_magnitude`; an `AccumulatingModel`
+    comes back as an `AccumulatingModel` with the same `micro_batch_size`,
+    `accumulation_steps` and `remat` (tfmot alone returns a plain functional
+    model, which would train without micro-batches). The pruned model shares
+    nothing with `model`: tfmot clones its layers, weights included. Compile
+    the result and train it with `tfmot.sparsity.keras.UpdatePruningStep()`
+    among the callbacks; its `pruning_step` counts optimizer updates.
+
+    Args:
+        model: a functional or `Sequential` tf_keras model (an
+            `AccumulatingModel` or not), a layer, or a list of layers, as for
+            tfmot. Inside a subclassed `AccumulatingModel`, wrap its layers
+            with this function instead.
+        **kwargs: passed on to tfmot: `pruning_schedule`, `block_size`,
+            `block_pooling_type`, `pruning_policy`, `sparsity_m_by_n`.
+
+    Returns:
+        The model (or layer, or list of layers) with pruning wrappers.
+
+    Example:
+
+    ```python
+    schedule = tfmot.sparsity.keras.ConstantSparsity(0.75, begin_step=0)
+    pruned = kmo.pruning.prune_low_magnitude(model, pruning_schedule=schedule)
+    ```
+
+    Raises:
+        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot
+            does not work.
+        ImportError: if tensorflow-model-optimization is not installed.
+        TypeError: if `model` is not a tf_keras model or layer (a Keras 3
+            one, say).
+    """
+    sparsity = _sparsity()
+    for item in model if isinstance(model, list) else [model]:
+        _check_model(item, K.keras.layers.Layer)
+    return _rewrap(model, sparsity.prune_low_magnitude(model, **kwargs))
+
+
+def strip_pruning(model):
+    """Removes the pruning wrappers, keeping the pruned (sparse) weights.
+
+    Calls `tfmot.sparsity.keras.strip_pruning`; an `AccumulatingModel` comes
+    back as an `AccumulatingModel` with the same settings. The result is the
+    model to export: its weights hold the zeros the schedule asked for, so the
+    saved file compresses (zip, gzip) to a fraction of the unpruned model's.
+
+    Args:
+        model: a model returned by `prune_low_magnitude`, trained.
+
+    Returns:
+        The same architecture as the model before pruning, with sparse
+        weights.
+
+    Example:
+
+    ```python
+    exported = kmo.pruning.strip_pruning(pruned)
+    exported.save("model.keras")
+    ```
+
+    Raises:
+        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset).
+        ImportError: if tensorflow-model-optimization is not installed.
+        TypeError: if `model` is not a tf_keras model.
+    """
+    sparsity = _sparsity()
+    _check_model(model)
+    return _rewrap(model, sparsity.strip_pruning(model))
+
+
+def step_counters(model):
+    """Variables that count optimizer updates but that layers advance at each
+    training call (tfmot pruning wrappers' `pruning_step`).
+
+    `AccumulatingModel` runs every micro-batch of a step from the same counter
+    values, so that they advance once per update, not once per micro-batch.
+    """
+    counters = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        counter = getattr(layer, "pruning_step", None)
+        if isinstance(counter, tf.Variable):
+            counters.append(counter)
+    return counters

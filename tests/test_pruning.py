@@ -1,0 +1,182 @@
+"""Pruning with tensorflow-model-optimization (tf_keras only) and its Keras 3 error."""
+
+import gzip
+import importlib.util
+
+import numpy as np
+import pytest
+from conftest import LEGACY
+
+from keras_memopt import AccumulatingModel, pruning
+from keras_memopt._keras import keras
+
+needs_tfmot = pytest.mark.skipif(
+    not LEGACY or importlib.util.find_spec("tensorflow_model_optimization") is None,
+    reason="tensorflow-model-optimization works only with tf_keras (TF_USE_LEGACY_KERAS=1)",
+)
+
+
+def _data(n=96, features=16, classes=4, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = (x[:, :classes] @ rng.normal(size=(classes, classes))).argmax(axis=1)
+    return x, y
+
+
+def _mlp(cls=keras.Model, width=64, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(width, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return cls(inputs, outputs, **kwargs)
+
+
+def _compile(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+
+
+def _kernels(model):
+    return [w for w in model.get_weights() if w.ndim == 2]
+
+
+class TestKeras3:
+    @pytest.mark.skipif(LEGACY, reason="the error is for Keras 3")
+    @pytest.mark.parametrize("function", [pruning.prune_low_magnitude, pruning.strip_pruning])
+    def test_pruning_on_keras_3_explains_the_legacy_switch(self, function):
+        model = _mlp(AccumulatingModel, micro_batch_size=8)
+        with pytest.raises(RuntimeError, match=r"tf_keras.*TF_USE_LEGACY_KERAS=1.*\[tfmot\]"):
+            function(model)
+
+    def test_models_without_pruning_have_no_step_counters(self):
+        assert pruning.step_counters(_mlp(AccumulatingModel, micro_batch_size=8)) == []
+
+
+@needs_tfmot
+class TestPruning:
+    @pytest.fixture(autouse=True)
+    def _tfmot(self):
+        import tensorflow_model_optimization as tfmot
+
+        self.sparsity = tfmot.sparsity.keras
+
+    def _schedule(self, final=0.75, end_step=6, frequency=2):
+        return self.sparsity.PolynomialDecay(
+            0.0, final, begin_step=0, end_step=end_step, frequency=frequency
+        )
+
+    def _fit(self, model, x, y, epochs=4):
+        model.fit(
+            x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+            callbacks=[self.sparsity.UpdatePruningStep()],
+        )
+
+    def test_pruning_steps_count_updates_and_match_plain_keras(self):
+        # 4 micro-batches per update. Were the pruning step advanced per
+        # micro-batch, the schedule would run 4x faster: other masks, weights.
+        x, y = _data()
+        plain = pruning.prune_low_magnitude(_mlp(), pruning_schedule=self._schedule())
+        model = pruning.prune_low_magnitude(
+            _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
+        )
+        for m in (plain, model):
+            _compile(m)
+            self._fit(m, x, y)
+        steps = [int(c) for c in pruning.step_counters(model)]
+        assert int(model.optimizer.iterations) == 12
+        assert steps == [12, 12]
+        assert [int(c) for c in pruning.step_counters(plain)] == steps
+        for expected, actual in zip(plain.get_weights(), model.get_weights(), strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+    def test_target_sparsity_reached_and_stripped_model_predicts(self, tmp_path):
+        x, y = _data()
+        model = pruning.prune_low_magnitude(
+            _mlp(AccumulatingModel, accumulation_steps=3), pruning_schedule=self._schedule()
+        )
+        assert isinstance(model, AccumulatingModel) and model.accumulation_steps == 3
+        _compile(model)
+        before = model.evaluate(x, y, batch_size=32, verbose=0)
+        self._fit(model, x, y)
+        after = model.evaluate(x, y, batch_size=32, verbose=0)
+        assert after < before
+
+        stripped = pruning.strip_pruning(model)
+        assert isinstance(stripped, AccumulatingModel) and stripped.accumulation_steps == 3
+        assert [layer.name for layer in stripped.layers] == ["input_1", "hidden", "head"]
+        for kernel in _kernels(stripped):
+            np.testing.assert_allclose(np.mean(kernel == 0), 0.75, atol=0.01)
+        np.testing.assert_allclose(
+            stripped.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+        )
+
+        path = str(tmp_path / "pruned.keras")
+        stripped.save(path)
+        loaded = keras.models.load_model(path, compile=False)
+        assert isinstance(loaded, AccumulatingModel) and loaded.accumulation_steps == 3
+        np.testing.assert_allclose(
+            loaded.predict(x, verbose=0), stripped.predict(x, verbose=0), rtol=1e-6
+        )
+
+    def test_exported_pruned_model_compresses_smaller_than_unpruned(self, tmp_path):
+        x, y = _data()
+        dense = _mlp(AccumulatingModel, width=256, micro_batch_size=8)
+        pruned = pruning.prune_low_magnitude(
+            _mlp(AccumulatingModel, width=256, micro_batch_size=8),
+            pruning_schedule=self._schedule(final=0.8),
+        )
+        for m in (dense, pruned):
+            _compile(m)
+            self._fit(m, x, y, epochs=2)
+        sizes = {}
+        for name, m in (("dense", dense), ("pruned", pruning.strip_pruning(pruned))):
+            path = tmp_path / f"{name}.h5"
+            m.save(str(path), include_optimizer=False)
+            sizes[name] = len(gzip.compress(path.read_bytes()))
+        # 80% of ~5k kernel weights are zeros: the compressed file shrinks by
+        # well over half (measured: 0.39x with gzip).
+        assert sizes["pruned"] < 0.5 * sizes["dense"], sizes
+
+    def test_subclassed_model_with_pruned_layer_counts_updates(self):
+        schedule = self._schedule()
+        sparsity = self.sparsity
+
+        class Pruned(AccumulatingModel):
+            def __init__(self):
+                super().__init__(micro_batch_size=4)
+                self.hidden = sparsity.prune_low_magnitude(
+                    keras.layers.Dense(8), pruning_schedule=schedule
+                )
+                self.head = keras.layers.Dense(4)
+
+            def call(self, inputs):
+                return self.head(self.hidden(inputs))
+
+        x, y = _data(n=64)
+        model = Pruned()
+        model(x[:1])  # tfmot's callback needs the wrapper built before `fit`
+        _compile(model)
+        self._fit(model, x, y, epochs=2)
+        assert int(model.optimizer.iterations) == 4
+        assert [int(c) for c in pruning.step_counters(model)] == [4]
+
+    def test_prune_keeps_remat_segments_under_their_new_names(self):
+        model = _mlp(AccumulatingModel, micro_batch_size=8, remat=["hidden"])
+        pruned = pruning.prune_low_magnitude(model, pruning_schedule=self._schedule())
+        assert pruned.remat == ["prune_low_magnitude_hidden"]
+        assert pruned.micro_batch_size == 8
+
+    def test_plain_model_stays_plain(self):
+        pruned = pruning.prune_low_magnitude(_mlp(), pruning_schedule=self._schedule())
+        assert not isinstance(pruned, AccumulatingModel)
+
+    def test_refuses_a_keras_3_model(self):
+        import keras as keras_3
+
+        layer = keras_3.layers.Dense(4)
+        with pytest.raises(TypeError, match=r"must be a tf_keras `Layer`.*Keras 3.*Received"):
+            pruning.prune_low_magnitude(layer)
+        with pytest.raises(TypeError, match=r"must be a tf_keras `Model`"):
+            pruning.strip_pruning(layer)
