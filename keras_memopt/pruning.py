@@ -186,10 +186,25 @@ def step_counters(model):
 
     `AccumulatingModel` runs every micro-batch of a step from the same counter
     values, so that they advance once per update, not once per micro-batch.
+
+    Raises:
+        NotImplementedError: if called inside a step under a distribution
+            strategy: the pruning wrappers synchronise replicas in every
+            training call, which TensorFlow does not allow inside the loop
+            over micro-batches.
     """
     counters = []
     for layer in model._flatten_layers(include_self=False, recursive=True):
         counter = getattr(layer, "pruning_step", None)
         if isinstance(counter, tf.Variable):
             counters.append(counter)
+    if counters and tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        raise NotImplementedError(
+            "An AccumulatingModel with tfmot pruning wrappers cannot train "
+            "under a distribution strategy: the wrappers synchronise the "
+            "replicas (`merge_call`) in every training call, which TensorFlow "
+            "does not allow inside the loop over micro-batches. Train it "
+            "without a strategy, or prune a plain `keras.Model`. Received: "
+            f"strategy={type(tf.distribute.get_strategy()).__name__}"
+        )
     return counters

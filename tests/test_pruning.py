@@ -162,6 +162,35 @@ class TestPruning:
         assert int(model.optimizer.iterations) == 4
         assert [int(c) for c in pruning.step_counters(model)] == [4]
 
+    @pytest.mark.parametrize(
+        "kwargs, compile_kwargs",
+        [({"remat": "auto"}, {}), ({}, {"jit_compile": True})],
+        ids=["remat", "xla"],
+    )
+    def test_recomputation_and_xla_count_updates(self, kwargs, compile_kwargs):
+        x, y = _data(n=64)
+        schedule = self.sparsity.ConstantSparsity(0.5, begin_step=0, frequency=1)
+        model = pruning.prune_low_magnitude(
+            _mlp(AccumulatingModel, micro_batch_size=8, **kwargs), pruning_schedule=schedule
+        )
+        model.compile("sgd", "sparse_categorical_crossentropy", **compile_kwargs)
+        self._fit(model, x, y, epochs=2)
+        assert [int(c) for c in pruning.step_counters(model)] == [4, 4]
+        for kernel in _kernels(pruning.strip_pruning(model)):
+            np.testing.assert_allclose(np.mean(kernel == 0), 0.5, atol=0.01)
+
+    def test_distribution_strategy_is_refused_clearly(self):
+        import tensorflow as tf
+
+        x, y = _data(n=32)
+        with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+            model = pruning.prune_low_magnitude(
+                _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
+            )
+            _compile(model)
+        with pytest.raises(NotImplementedError, match="under a distribution strategy"):
+            self._fit(model, x, y, epochs=1)
+
     def test_prune_keeps_remat_segments_under_their_new_names(self):
         model = _mlp(AccumulatingModel, micro_batch_size=8, remat=["hidden"])
         pruned = pruning.prune_low_magnitude(model, pruning_schedule=self._schedule())
