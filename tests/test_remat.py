@@ -31,7 +31,7 @@ def _dropout(rate, seed, name=None):
     return layers.Dropout(rate, seed=seed, name=name)
 
 
-def _chain(remat=None, micro_batch_size=None, depth=6, width=32, dropout=0.3, **kwargs):
+def _chain(remat=None, micro_batch_size=None, depth=4, width=32, dropout=0.3, bn=True, **kwargs):
     """A functional MLP with Dropout and BatchNormalization after each layer."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,), name="x")
@@ -40,7 +40,8 @@ def _chain(remat=None, micro_batch_size=None, depth=6, width=32, dropout=0.3, **
         x = layers.Dense(width, activation="relu", name=f"dense{i}")(x)
         if dropout:
             x = _dropout(dropout, seed=i, name=f"drop{i}")(x)
-        x = layers.BatchNormalization(name=f"bn{i}")(x)
+        if bn:
+            x = layers.BatchNormalization(name=f"bn{i}")(x)
     outputs = layers.Dense(3, name="head")(x)
     return AccumulatingModel(
         inputs, outputs, remat=remat, micro_batch_size=micro_batch_size, **kwargs
@@ -270,7 +271,12 @@ class TestSegmentChoice:
 class TestSegments:
     @pytest.mark.parametrize(
         "remat, micro_batch_size, run_eagerly",
-        [("auto", None, False), ("auto", 16, False), (["bn1", "bn3"], 16, False), ("auto", 16, True)],
+        [
+            ("auto", None, False),
+            ("auto", 16, False),
+            (["bn1", "bn3"], 16, False),
+            ("auto", 16, True),
+        ],
     )
     def test_training_matches_no_recomputation(self, remat, micro_batch_size, run_eagerly):
         x, y = _data()
@@ -282,8 +288,8 @@ class TestSegments:
 
     def test_xla_micro_batches_match_no_recomputation(self):
         x, y = _data()
-        plain = _fit(_chain(None, 16, dropout=0), x, y, jit_compile=True)
-        model = _fit(_chain("auto", 16, dropout=0), x, y, jit_compile=True)
+        plain = _fit(_chain(None, 16, dropout=0), x, y, epochs=1, jit_compile=True)
+        model = _fit(_chain("auto", 16, dropout=0), x, y, epochs=1, jit_compile=True)
         assert model.micro_batch_jit_compile
         _assert_same_state(plain, model, rtol=1e-5, atol=1e-6)
 
@@ -293,32 +299,33 @@ class TestSegments:
         models = []
         for remat in (None, "auto"):
             with strategy.scope():
-                models.append(_fit(_chain(remat, 8, dropout=0), x, y))
+                models.append(_fit(_chain(remat, 8, dropout=0), x, y, epochs=1))
         _assert_same_state(*models)
 
     def test_mixed_precision_matches_no_recomputation(self):
         keras.mixed_precision.set_global_policy("mixed_float16")
         try:
             x, y = _data()
-            plain = _fit(_chain(None, 16), x, y)
-            model = _fit(_chain("auto", 16), x, y)
+            plain = _fit(_chain(None, 16), x, y, epochs=1)
+            model = _fit(_chain("auto", 16), x, y, epochs=1)
         finally:
             keras.mixed_precision.set_global_policy("float32")
         _assert_same_state(plain, model)
 
     @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
     def test_peak_memory_falls(self, jit_compile):
-        x = np.random.RandomState(0).rand(2048, 16).astype("float32")
-        y = np.zeros(2048, "int64")
+        x = np.random.RandomState(0).rand(1024, 16).astype("float32")
+        y = np.zeros(1024, "int64")
         peaks = {}
         for remat in (None, "auto"):
-            model = _chain(remat, depth=12, width=256, dropout=0)
+            # Eight 1024x256 float32 activations (1 MiB each) dominate.
+            model = _chain(remat, depth=8, width=256, dropout=0, bn=False)
             model.compile(
                 "sgd",
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 jit_compile=jit_compile,
             )
-            peaks[remat] = _peak_bytes_of_fit(model, x, y, 2048)
+            peaks[remat] = _peak_bytes_of_fit(model, x, y, 1024)
         assert peaks["auto"] < 0.75 * peaks[None], peaks
 
     def test_setting_survives_config_and_keras_file(self, tmp_path):
@@ -349,9 +356,8 @@ class TestBadInput:
 
     def test_layer_that_does_not_separate_the_graph_is_named(self):
         model = _residual()
-        with pytest.raises(
-            ValueError, match="Layer 'block1_a' does not separate.*output of layer 'block0_out' skips past it"
-        ):
+        message = "Layer 'block1_a' does not separate.*output of layer 'block0_out' skips past"
+        with pytest.raises(ValueError, match=message):
             model.remat = ["block1_a"]
         assert model.remat is None and model._remat_plan is None
 
