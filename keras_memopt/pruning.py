@@ -112,10 +112,11 @@ def prune_low_magnitude(model, **kwargs):
     Calls `tfmot.sparsity.keras.prune_low_magnitude`; an `AccumulatingModel`
     comes back as an `AccumulatingModel` with the same `micro_batch_size`,
     `accumulation_steps` and `remat` (tfmot alone returns a plain functional
-    model, which would train without micro-batches). The pruned model shares
-    nothing with `model`: tfmot clones its layers, weights included. Compile
-    the result and train it with `tfmot.sparsity.keras.UpdatePruningStep()`
-    among the callbacks; its `pruning_step` counts optimizer updates.
+    model, which would train without micro-batches). The pruned model wraps
+    `model`'s own layers, so pruning it prunes `model`'s weights too; keep a
+    separate copy to compare against. Compile the result and train it with
+    `tfmot.sparsity.keras.UpdatePruningStep()` among the callbacks; its
+    `pruning_step` counts optimizer updates.
 
     Args:
         model: a functional or `Sequential` tf_keras model (an
