@@ -41,7 +41,7 @@ _TENSOR = re.compile(
     r"(?: on (\S+))?(?: by allocator (\S+))?"
 )
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]|Detected at node '?([^\s']+)'?")
-_BYTES = re.compile(r"(?:allocate|allocating) (\d+) bytes")
+_BYTES = re.compile(r"(\d+) bytes")
 _DEVICE = re.compile(r"device:([A-Z]+:\d+)")
 
 
@@ -292,7 +292,8 @@ class GuardedFunction:
         self.kind = kind
         self._make_keras_function = make_keras_function
         self._keras_function = None
-        self._snapshot = Snapshot(model)
+        # One snapshot per model: its read and write functions outlive rebuilds.
+        self._snapshot = model.__dict__.setdefault("_oom_snapshot", Snapshot(model))
 
     # Keras looks for these on its own functions in a few places.
     def __getattr__(self, name):
@@ -307,6 +308,14 @@ class GuardedFunction:
         setattr(self.model, attr, self)
         self._one_step = K.one_step_function(self.model, self.kind)
         self._traced = False
+
+    def _traced_step(self, data):
+        if not self._traced and hasattr(self._one_step, "get_concrete_function"):
+            # Creates the variables Keras makes lazily (optimizer slots,
+            # metrics) before the snapshot is taken, without running a step.
+            self._one_step.get_concrete_function(data)
+        self._traced = True
+        return self._one_step
 
     def __call__(self, arg):
         model = self.model
@@ -339,15 +348,15 @@ class GuardedFunction:
         if model.micro_batch_size == "auto":
             search = AutoSearch(model, batch_size, backoff)
         while True:
-            if not self._traced and hasattr(self._one_step, "get_concrete_function"):
-                # Creates the variables Keras makes lazily (optimizer slots,
-                # metrics) before the snapshot, without running a step.
-                self._one_step.get_concrete_function(data)
-                self._traced = True
+            # A backoff rebuilds the model's step functions: use the newest.
+            current_function = getattr(model, f"{self.kind}_function", None)
+            if not isinstance(current_function, GuardedFunction):
+                current_function = self
+            one_step = current_function._traced_step(data)
             taken = self._snapshot.take()
             started = time.perf_counter()
             try:
-                outputs = self._one_step(data)
+                outputs = one_step(data)
                 break
             except tf.errors.OpError as error:
                 if not is_oom(error):
@@ -428,10 +437,6 @@ class AutoSearch:
 def make_function(model, kind, make_keras_function, force=False):
     """What `model.make_<kind>_function` returns: a `GuardedFunction`."""
     current = getattr(model, f"{kind}_function", None)
-    if isinstance(current, GuardedFunction) and current.model is model:
-        if force:
-            current._build()
-        return current
     if current is not None and not force:
         return current
     guarded = GuardedFunction(model, kind, make_keras_function)

@@ -1,0 +1,434 @@
+"""OOMBackoff: detection, rollback, retry with the same batch, reports, real OOMs.
+
+Unit tests of the control flow inject a fake out-of-memory error: the wrapped
+step *runs* (so it changes weights, optimizer, BatchNorm, metric and seed
+state) and then raises, so a rollback that misses anything shows. The tests
+marked slow run a real out-of-memory error in a subprocess whose TensorFlow
+CPU allocator has a memory limit.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import LEGACY, run_python
+
+from keras_memopt import AccumulatingModel, _keras, _oom
+from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
+
+layers = keras.layers
+
+# The retried step computes exactly what a run started at that micro-batch
+# computes (same ops, same order), so results agree to float32 rounding.
+ATOL = 1e-6
+
+FAKE_MESSAGE = (
+    "OOM when allocating tensor with shape[32,16] and type float on "
+    "/job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu\n"
+    "\t [[{{node gradient_tape/while/dense/MatMul}}]]"
+)
+
+
+@pytest.fixture
+def fake_oom(monkeypatch):
+    """Steps whose micro-batch exceeds `limit["size"]` run, then raise OOM."""
+    limit = {"size": None, "raised": 0}
+    real = _keras.one_step_function
+
+    def one_step_function(model, kind):
+        step = real(model, kind)
+
+        def run(data):
+            outputs = step(data)
+            size = _oom.micro_batch_in_use(model, _oom.batch_size_of(data))
+            if limit["size"] is not None and size > limit["size"]:
+                limit["raised"] += 1
+                raise tf.errors.ResourceExhaustedError(None, None, FAKE_MESSAGE)
+            return outputs
+
+        if hasattr(step, "get_concrete_function"):
+            run.get_concrete_function = step.get_concrete_function
+        return run
+
+    monkeypatch.setattr(_keras, "one_step_function", one_step_function)
+    return limit
+
+
+def _data(n=96, features=6, classes=3, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.randint(0, classes, size=(n,))
+    return x, y
+
+
+def _model(micro_batch_size=None, batch_norm=False, dropout=False, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = layers.Dense(16, activation="tanh")(inputs)
+    if batch_norm:
+        hidden = layers.BatchNormalization()(hidden)
+    if dropout:
+        hidden = layers.Dropout(0.3, seed=1)(hidden)
+    outputs = layers.Dense(3)(hidden)
+    model = AccumulatingModel(inputs, outputs, micro_batch_size=micro_batch_size)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **kwargs,
+    )
+    return model
+
+
+def _fit(model, x, y, callbacks=(), epochs=1, batch_size=32, **kwargs):
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+    return history.history
+
+
+def _assert_same_weights(a, b, atol=ATOL):
+    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(wa, wb, rtol=0, atol=atol)
+
+
+def _state(model):
+    return [np.array(tf.convert_to_tensor(v)) for v in _oom.state_variables(model)]
+
+
+class TestDetection:
+    @pytest.mark.parametrize(
+        "error",
+        [
+            tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"),
+            tf.errors.UnknownError(None, None, "Status: RESOURCE_EXHAUSTED: ran out"),
+            tf.errors.InternalError(None, None, "ResourceExhausted: failed to allocate"),
+            tf.errors.InternalError(None, None, "Dst tensor is not initialized."),
+            tf.errors.UnknownError(None, None, "CUDA_ERROR_OUT_OF_MEMORY: out of memory"),
+        ],
+        ids=["resource_exhausted", "unknown", "internal", "dst_tensor", "cuda"],
+    )
+    def test_oom_and_its_disguised_forms_are_detected(self, error):
+        assert _oom.is_oom(error)
+
+    @pytest.mark.parametrize(
+        "error",
+        [
+            tf.errors.InvalidArgumentError(None, None, "Incompatible shapes"),
+            tf.errors.InternalError(None, None, "Failed to call ThenRnnForward"),
+            tf.errors.UnknownError(None, None, "a Python exception in a py_function"),
+            ValueError("OOM when allocating tensor"),
+        ],
+    )
+    def test_other_errors_are_not_oom(self, error):
+        assert not _oom.is_oom(error)
+
+    def test_oom_raised_from_another_error_is_detected(self):
+        try:
+            try:
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+            except tf.errors.ResourceExhaustedError as inner:
+                raise RuntimeError("step failed") from inner
+        except RuntimeError as outer:
+            assert _oom.is_oom(outer)
+
+    def test_report_parses_shape_type_op_and_device(self):
+        info = _oom.parse_oom(
+            "Graph execution error:\n\nOOM when allocating tensor with "
+            "shape[4096,512] and type float on /job:localhost/replica:0/"
+            "task:0/device:GPU:1 by allocator GPU_1_bfc\n\t [[{{node "
+            "gradient_tape/while/dense_7/MatMul/MatMul_1}}]]"
+        )
+        assert info["shape"] == (4096, 512)
+        assert info["dtype"] == "float"
+        assert info["device"] == "GPU:1"
+        assert info["allocator"] == "GPU_1_bfc"
+        assert info["op"] == "gradient_tape/while/dense_7/MatMul/MatMul_1"
+
+    def test_report_parses_a_byte_count(self):
+        info = _oom.parse_oom(
+            "failed to allocate 1.50G (1610612736 bytes) from device: "
+            "CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+        )
+        assert info["bytes"] == 1610612736 and info["shape"] is None
+
+
+class TestArguments:
+    @pytest.mark.parametrize("factor", [0, 1, 1.5, -0.5, True, "half"])
+    def test_factor_must_be_between_zero_and_one(self, factor):
+        with pytest.raises(ValueError, match=r"`factor` must be .* Received: factor="):
+            OOMBackoff(factor=factor)
+
+    @pytest.mark.parametrize("minimum", [0, -1, 2.0, None])
+    def test_minimum_must_be_a_positive_integer(self, minimum):
+        with pytest.raises(
+            ValueError, match=r"positive integer. Received: min_micro_batch_size="
+        ):
+            OOMBackoff(min_micro_batch_size=minimum)
+
+    def test_plain_keras_model_is_told_what_to_do(self):
+        x, y = _data()
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, layers.Dense(3)(inputs))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        with pytest.raises(TypeError, match=r"AccumulatingModel.from_model\(model\)"):
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[OOMBackoff()])
+
+
+class TestBackoff:
+    def test_oom_keeps_the_training_result(self, fake_oom, capsys):
+        x, y = _data()
+        fake_oom["size"] = 8
+        model = _model(micro_batch_size=32)
+        backoff = OOMBackoff()
+        history = _fit(model, x, y, [backoff], epochs=2)
+        reference = _model(micro_batch_size=8)
+        expected = _fit(reference, x, y, epochs=2)
+
+        _assert_same_weights(model, reference)
+        for key, values in expected.items():
+            np.testing.assert_allclose(history[key], values, rtol=1e-6, err_msg=key)
+        assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 6
+        assert model.micro_batch_size == 8
+        assert history["micro_batch_size"] == [8, 8]
+        assert [(b["failed_micro_batch_size"], b["micro_batch_size"]) for b in backoff.backoffs] == [
+            (32, 16),
+            (16, 8),
+        ]
+        out = capsys.readouterr().out
+        assert "micro_batch_size=32" in out and "retrying the same batch" in out
+        assert "shape [32, 16]" in out
+
+    def test_quiet_backoff_prints_nothing(self, fake_oom, capsys):
+        x, y = _data(n=32)
+        fake_oom["size"] = 16
+        _fit(_model(micro_batch_size=32), x, y, [OOMBackoff(verbose=0)], epochs=1)
+        assert "OOMBackoff" not in capsys.readouterr().out
+
+    def test_factor_and_minimum_are_used(self, fake_oom):
+        x, y = _data(n=32)
+        fake_oom["size"] = 5
+        model = _model(micro_batch_size=32)
+        backoff = OOMBackoff(factor=0.25, min_micro_batch_size=3)
+        _fit(model, x, y, [backoff], epochs=1)
+        sizes = [b["micro_batch_size"] for b in backoff.backoffs]
+        assert sizes == [8, 3] and model.micro_batch_size == 3
+
+    def test_failed_step_leaves_no_trace(self, fake_oom):
+        x, y = _data()
+        model = _model(micro_batch_size=16, batch_norm=True, dropout=True)
+        before = []
+
+        class Record(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == 1:
+                    before.extend(_state(model))
+                    fake_oom["size"] = 8
+
+        with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
+            _fit(model, x, y, [Record(), OOMBackoff(min_micro_batch_size=16)])
+        assert fake_oom["raised"] == 1  # the step ran before it "failed"
+        after = _state(model)
+        assert len(after) == len(before)
+        for a, b in zip(after, before, strict=True):
+            np.testing.assert_array_equal(a, b)
+        report = str(raised.value.message)
+        assert "micro_batch_size=16, min_micro_batch_size=16" in report
+        assert "a tensor of shape [32, 16] and type float" in report
+        assert "in op gradient_tape/while/dense/MatMul on CPU:0" in report
+        assert re.search(r"Device memory: [\d.]+ MiB in use, peak [\d.]+ MiB", report)
+        for advice in ("remat", "mixed_float16", "smaller model", "cuda_malloc_async"):
+            assert advice in report
+
+    def test_snapshot_covers_weights_optimizer_metrics_and_seeds(self):
+        x, y = _data(n=32)
+        model = _model(micro_batch_size=16, batch_norm=True, dropout=True)
+        _fit(model, x, y, epochs=1)
+        variables = {id(v) for v in _oom.state_variables(model)}
+        expected = list(model.variables) + _keras.optimizer_variables(model.optimizer)
+        expected += [v for metric in model.metrics for v in metric.variables]
+        assert all(id(v) in variables for v in expected)
+        names = " ".join(v.name for v in _oom.state_variables(model))
+        assert "moving_mean" in names and "iteration" in names
+        if not LEGACY:
+            assert "seed_generator_state" in names
+
+    def test_without_backoff_keras_runs_its_own_step_function(self, fake_oom):
+        x, y = _data(n=32)
+        fake_oom["size"] = 8
+        model = _model(micro_batch_size=32)
+        history = _fit(model, x, y)
+        assert fake_oom["raised"] == 0 and "micro_batch_size" not in history
+
+    def test_evaluate_and_predict_back_off(self, fake_oom):
+        x, y = _data()
+        reference = _model(micro_batch_size=8)
+        model = _model(micro_batch_size=32)
+        fake_oom["size"] = 8
+        expected = reference.evaluate(x, y, batch_size=32, verbose=0)
+        results = model.evaluate(x, y, batch_size=32, verbose=0, callbacks=[OOMBackoff()])
+        np.testing.assert_allclose(results, expected, rtol=1e-6)
+        assert model.micro_batch_size == 8
+        model.micro_batch_size = 32
+        backoff = OOMBackoff()
+        predictions = model.predict(x, batch_size=32, verbose=0, callbacks=[backoff])
+        np.testing.assert_allclose(
+            predictions, reference.predict(x, batch_size=32, verbose=0), atol=ATOL
+        )
+        assert [b["kind"] for b in backoff.backoffs] == ["predict", "predict"]
+
+    def test_validation_during_fit_backs_off(self, fake_oom):
+        x, y = _data()
+        fake_oom["size"] = 8
+        model = _model(micro_batch_size=32)
+        history = _fit(model, x, y, [OOMBackoff()], validation_data=(x, y))
+        reference = _model(micro_batch_size=8)
+        expected = _fit(reference, x, y, validation_data=(x, y))
+        np.testing.assert_allclose(history["val_loss"], expected["val_loss"], rtol=1e-6)
+
+    def test_steps_per_execution(self, fake_oom):
+        x, y = _data()
+        fake_oom["size"] = 8
+        model = _model(micro_batch_size=32, steps_per_execution=2)
+        _fit(model, x, y, [OOMBackoff(verbose=0)])
+        reference = _model(micro_batch_size=8, steps_per_execution=2)
+        _fit(reference, x, y)
+        _assert_same_weights(model, reference)
+        assert int(model.optimizer.iterations) == 3
+
+    def test_micro_batch_size_reaches_csv_logger_listed_first(self, fake_oom, tmp_path):
+        x, y = _data()
+        fake_oom["size"] = 16
+        path = tmp_path / "log.csv"
+        model = _model(micro_batch_size=32)
+        callbacks = [keras.callbacks.CSVLogger(str(path)), OOMBackoff(verbose=0)]
+        _fit(model, x, y, callbacks, epochs=2)
+        header, *rows = path.read_text().splitlines()
+        column = header.split(",").index("micro_batch_size")
+        assert [float(row.split(",")[column]) for row in rows] == [16, 16]
+
+    def test_mirrored_strategy(self, fake_oom):
+        x, y = _data(n=64)
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        with strategy.scope():
+            model = _model(micro_batch_size=16)
+            reference = _model(micro_batch_size=4)
+        fake_oom["size"] = 4  # per replica: each replica has 16 of the 32
+        backoff = OOMBackoff(verbose=0)
+        _fit(model, x, y, [backoff])
+        _fit(reference, x, y)
+        _assert_same_weights(model, reference)
+        assert [b["micro_batch_size"] for b in backoff.backoffs] == [8, 4]
+        assert int(model.optimizer.iterations.numpy()) == 2
+
+
+class TestAuto:
+    def test_auto_chooses_the_largest_micro_batch_that_runs(self, fake_oom, capsys):
+        x, y = _data()
+        fake_oom["size"] = 10
+        model = _model(micro_batch_size="auto")
+        assert model.micro_batch_size == "auto"
+        _fit(model, x, y)
+        reference = _model(micro_batch_size=8)
+        _fit(reference, x, y)
+        assert model.micro_batch_size == 8
+        assert model.micro_batch_search["out_of_memory_trials"] == [32, 16]
+        _assert_same_weights(model, reference)
+        assert int(model.optimizer.iterations) == 3
+        out = capsys.readouterr().out
+        assert 'micro_batch_size="auto": chose micro_batch_size=8' in out
+
+    def test_auto_without_oom_keeps_the_whole_batch(self, fake_oom):
+        x, y = _data(n=32)
+        model = _model(micro_batch_size="auto")
+        _fit(model, x, y, epochs=1)
+        assert model.micro_batch_size == 32
+        assert model.micro_batch_search["out_of_memory_trials"] == []
+
+
+class TestXLA:
+    def test_backoff_recompiles_xla_micro_batches(self, fake_oom):
+        x, y = _data()
+        fake_oom["size"] = 8
+        model = _model(micro_batch_size=32, jit_compile=True)
+        assert model.micro_batch_jit_compile
+        _fit(model, x, y, [OOMBackoff(verbose=0)])
+        reference = _model(micro_batch_size=8, jit_compile=True)
+        _fit(reference, x, y)
+        _assert_same_weights(model, reference, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_soak_repeated_oom_keeps_memory_flat():
+    """Hundreds of steps, an out-of-memory backoff (and retrace) every few."""
+    result = run_python(
+        SOAK,
+        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"},
+    )
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["backoffs"] >= 60, figures
+    # Allocator memory returns to the same level; host memory may settle in
+    # the first rounds (caches) but must not keep growing with each retrace.
+    assert figures["device_growth_bytes"] <= 64 * 1024
+    assert figures["rss_growth_mib"] < 40, figures
+
+
+SOAK = """
+import gc, json, os
+import numpy as np, psutil, tensorflow as tf
+from keras_memopt import _keras, _oom
+from keras_memopt._keras import keras
+from keras_memopt import AccumulatingModel
+from keras_memopt.callbacks import OOMBackoff
+
+real = _keras.one_step_function
+def one_step_function(model, kind):
+    step = real(model, kind)
+    def run(data):
+        outputs = step(data)
+        if _oom.micro_batch_in_use(model, _oom.batch_size_of(data)) > 8:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+        return outputs
+    run.get_concrete_function = step.get_concrete_function
+    return run
+_keras.one_step_function = one_step_function
+
+class Regrow(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch % 5 == 0:
+            self.model.micro_batch_size = 16  # too large again: the next step backs off
+
+keras.utils.set_random_seed(0)
+inputs = keras.Input((6,))
+model = AccumulatingModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(16)(inputs)),
+                          micro_batch_size=16)
+model.compile(optimizer="adam", loss="mse")
+x = np.random.rand(16 * 100, 6).astype("float32"); y = np.random.rand(16 * 100, 3)
+backoff = OOMBackoff(verbose=0)
+process = psutil.Process()
+marks, backoffs = [], 0
+for round in range(4):
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[Regrow(), backoff])
+    backoffs += len(backoff.backoffs)
+    gc.collect()
+    marks.append((tf.config.experimental.get_memory_info("CPU:0")["current"],
+                  process.memory_info().rss))
+print(json.dumps(dict(
+    backoffs=backoffs,
+    iterations=int(model.optimizer.iterations),
+    device_growth_bytes=marks[-1][0] - marks[1][0],
+    rss_growth_mib=(marks[-1][1] - marks[1][1]) / 2**20,
+    marks=marks,
+)))
+"""
