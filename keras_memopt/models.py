@@ -286,7 +286,8 @@ class AccumulatingModel(K.keras.Model):
         # Plain holders: Keras must not track the segments as sublayers.
         self._remat = remat if remat is None or isinstance(remat, str) else tuple(remat)
         self._remat_plan = plan
-        self.train_function = None
+        if getattr(self, "train_function", None) is not None:
+            self.make_train_function(force=True)
 
     def _micro_size(self, batch_size):
         if self._micro_batch_size is not None:

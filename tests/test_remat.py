@@ -369,8 +369,11 @@ class TestSegments:
     def test_setter_replans(self):
         model = _chain()
         assert model._remat_plan is None
+        x, y = _data()
+        _fit(model, x, y, epochs=1)
         model.remat = ["bn2"]
         assert len(model._remat_plan.segments) == 2
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # rebuilt step function
         model.remat = None
         assert model._remat_plan is None
 
