@@ -1,0 +1,298 @@
+"""Gradient accumulation: peak memory and time against plain Keras.
+
+For an MLP, a small CNN and a small transformer block, each trained with Adam
+at the same effective batch, this compares plain `keras.Model` with
+`AccumulatingModel` at micro-batches of 1/2, 1/4 and 1/8 of the batch, and
+with Keras's optimizer-side `gradient_accumulation_steps` (the input pipeline
+then delivers batch/k samples and the optimizer applies every k-th step),
+with `jit_compile=False` and `True`.
+
+Every configuration runs in its own worker process on TensorFlow's BFC CPU
+allocator, so its peak is its own: the allocator peak over one epoch after a
+warm-up epoch (deterministic). Times are noisy on a shared machine, so all
+workers of a model stay alive and their timed epochs are interleaved, in a
+shuffled order each round; a configuration's time ratio is the median over
+rounds of its epoch time divided by plain Keras's epoch time in the same
+round.
+
+Run: python benchmarks/accumulation.py   (about 30 minutes on a busy 2-core machine;
+      --models mlp --repeats 3 for a quicker look, --help for the rest)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ENV = dict(
+    TF_CPP_MIN_LOG_LEVEL="3",
+    TF_ENABLE_ONEDNN_OPTS="0",
+    TF_CPU_ALLOCATOR_USE_BFC="true",
+    TF_CPU_BFC_MEM_LIMIT_IN_MB="8192",
+)
+# Effective batch per model; chosen so that activations, not weights,
+# dominate plain Keras's peak, and one epoch takes a few seconds on 2 cores.
+BATCH = {"mlp": 4096, "cnn": 256, "transformer": 128}
+MODELS = tuple(BATCH)
+SPLITS = (2, 4, 8)
+STEPS_PER_EPOCH = 1
+
+
+def build(name):
+    from keras_memopt._keras import keras
+
+    layers = keras.layers
+    if name == "mlp":
+        inputs = keras.Input((256,))
+        x = inputs
+        for _ in range(12):
+            x = layers.Dense(512, activation="relu")(x)
+        outputs = layers.Dense(10)(x)
+    elif name == "cnn":
+        inputs = keras.Input((32, 32, 3))
+        x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        x = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.GlobalAveragePooling2D()(x)
+        outputs = layers.Dense(10)(x)
+    elif name == "transformer":
+        length, width, heads = 128, 128, 4
+        inputs = keras.Input((length,), dtype="int32")
+        x = layers.Embedding(1000, width)(inputs)
+        for _ in range(2):
+            attended = layers.MultiHeadAttention(heads, width // heads)(x, x)
+            x = layers.LayerNormalization()(x + attended)
+            hidden = layers.Dense(4 * width, activation="gelu")(x)
+            x = layers.LayerNormalization()(x + layers.Dense(width)(hidden))
+        x = layers.GlobalAveragePooling1D()(x)
+        outputs = layers.Dense(10)(x)
+    else:
+        raise ValueError(f"Unknown model. Expected one of {MODELS}. Received: name={name!r}")
+    return keras.Model(inputs, outputs, name=name)
+
+
+def batch_data(name, size):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        x = rng.standard_normal((size, 256)).astype("float32")
+    elif name == "cnn":
+        x = rng.standard_normal((size, 32, 32, 3)).astype("float32")
+    else:
+        x = rng.integers(0, 1000, (size, 128)).astype("int32")
+    return x, rng.integers(0, 10, size).astype("int32")
+
+
+# -- worker: one configuration in its own TensorFlow ---------------------------------
+
+
+def worker(config):
+    import tensorflow as tf
+
+    import keras_memopt as kmo
+    from keras_memopt._keras import keras
+
+    keras.utils.set_random_seed(0)
+    name, batch, kind, split = config["model"], config["batch"], config["kind"], config["split"]
+    model = build(name)
+    optimizer = keras.optimizers.Adam(1e-4)
+    pipeline_batch = batch
+    if kind == "accumulating":
+        model = kmo.AccumulatingModel.from_model(model, micro_batch_size=batch // split)
+    elif kind == "keras_ga":
+        optimizer = keras.optimizers.Adam(1e-4, gradient_accumulation_steps=split)
+        pipeline_batch = batch // split
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=config["jit_compile"],
+    )
+    x, y = batch_data(name, batch)
+    # One effective batch held in memory, delivered STEPS_PER_EPOCH times.
+    dataset = (
+        tf.data.Dataset.from_tensors((x, y)).unbatch().batch(pipeline_batch).repeat(STEPS_PER_EPOCH)
+    )
+
+    def epoch():
+        start = time.perf_counter()
+        model.fit(dataset, epochs=1, verbose=0)
+        return time.perf_counter() - start
+
+    epoch()  # traces and builds the optimizer
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    first = epoch()
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    weights = sum(int(v.numpy().nbytes) for v in model.weights)
+    print(
+        "READY " + json.dumps(dict(peak=peak, resting=resting, weights=weights, seconds=first)),
+        flush=True,
+    )
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        print(f"TIME {epoch()}", flush=True)
+
+
+# -- parent: starts the workers, interleaves their timed epochs ---------------------
+
+
+class Worker:
+    def __init__(self, config):
+        self.config = config
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(config)],
+            env={**os.environ, **ENV},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.ready = None
+        self.times = []
+
+    def _read(self, tag):
+        for line in self.process.stdout:
+            if line.startswith(tag + " "):
+                return line[len(tag) + 1 :].strip()
+        error = self.process.stderr.read()[-3000:]
+        raise RuntimeError(f"worker {self.config} failed:\n{error}")
+
+    def wait_ready(self):
+        self.ready = json.loads(self._read("READY"))
+
+    def run(self):
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        seconds = float(self._read("TIME"))
+        self.times.append(seconds)
+        return seconds
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+def configurations(name, jit_compile, legacy):
+    batch = BATCH[name]
+    base = dict(model=name, batch=batch, jit_compile=jit_compile)
+    yield dict(base, kind="plain", split=1)
+    for split in SPLITS:
+        yield dict(base, kind="accumulating", split=split)
+    if not legacy:  # tf_keras optimizers have no `gradient_accumulation_steps`
+        for split in SPLITS:
+            yield dict(base, kind="keras_ga", split=split)
+
+
+def label(config):
+    batch, split = config["batch"], config["split"]
+    if config["kind"] == "plain":
+        return f"plain keras.Model, batch {batch}"
+    if config["kind"] == "accumulating":
+        return f"AccumulatingModel, micro-batch {batch // split} (1/{split})"
+    return f"Keras gradient_accumulation_steps={split} (batch {batch // split})"
+
+
+def measure(name, jit_compile, repeats, legacy, rng):
+    workers = [Worker(config) for config in configurations(name, jit_compile, legacy)]
+    try:
+        for worker_ in workers:
+            worker_.wait_ready()
+        ratios = {id(w): [] for w in workers}
+        for _ in range(repeats):
+            order = list(workers)
+            rng.shuffle(order)
+            seconds = {id(w): w.run() for w in order}
+            plain = seconds[id(workers[0])]
+            for worker_ in workers:
+                ratios[id(worker_)].append(seconds[id(worker_)] / plain)
+    finally:
+        for worker_ in workers:
+            worker_.close()
+    rows = []
+    for worker_ in workers:
+        rows.append(
+            dict(
+                config=worker_.config,
+                peak_mib=worker_.ready["peak"] / 2**20,
+                resting_mib=worker_.ready["resting"] / 2**20,
+                weights_mib=worker_.ready["weights"] / 2**20,
+                epoch_s=statistics.median(worker_.times),
+                ratio=statistics.median(ratios[id(worker_)]),
+                ratio_range=(min(ratios[id(worker_)]), max(ratios[id(worker_)])),
+            )
+        )
+    return rows
+
+
+def table(rows):
+    lines = [
+        "| model | jit_compile | configuration | peak MiB | peak vs plain "
+        "| time vs plain (median, range) | plain epoch s |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        config = row["config"]
+        plain = next(
+            r
+            for r in rows
+            if r["config"]["kind"] == "plain"
+            and r["config"]["model"] == config["model"]
+            and r["config"]["jit_compile"] == config["jit_compile"]
+        )
+        low, high = row["ratio_range"]
+        lines.append(
+            f"| {config['model']} | {config['jit_compile']} | {label(config)} "
+            f"| {row['peak_mib']:.0f} | {row['peak_mib'] / plain['peak_mib']:.2f}x "
+            f"| {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) | {plain['epoch_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument(
+        "--jit-compile", nargs="+", choices=("false", "true"), default=["false", "true"]
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed epochs per configuration")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+    rng = random.Random(0)
+    rows = []
+    for name in args.models:
+        for jit in args.jit_compile:
+            started = time.perf_counter()
+            new = measure(name, jit == "true", args.repeats, legacy, rng)
+            rows += new
+            print(
+                f"# {name}, jit_compile={jit}: {time.perf_counter() - started:.0f} s; weights "
+                f"{new[0]['weights_mib']:.1f} MiB, plain resting {new[0]['resting_mib']:.1f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(rows, file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
