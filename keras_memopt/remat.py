@@ -389,7 +389,8 @@ def plan_segments(model, remat):
     peak, the stored boundary tensors plus the largest segment's activations,
     is smallest. For n equal layers this gives the classic about-√n segments.
     The last segment (the head, whose backward pass starts right after its
-    forward pass) is never recomputed.
+    forward pass) is never recomputed. Only the model's own graph is
+    searched: a nested model is one node.
 
     Returns:
         A list of node indices (the cut points) and the `_Graph`.
