@@ -437,6 +437,36 @@ class TestWaysIn:
         _assert_same_weights(plain, accumulating)
         assert accumulating.micro_batch_size == 6
 
+    def test_unbuilt_subclass_trains_like_plain_keras(self):
+        def dense(units, seed, **kwargs):
+            # Seeded: the model is built eagerly here and in a trace there.
+            init = keras.initializers.GlorotUniform(seed=seed)
+            return layers.Dense(units, kernel_initializer=init, **kwargs)
+
+        class Plain(keras.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.hidden = dense(16, 1, activation="tanh")
+                self.head = dense(3, 2)
+
+            def call(self, inputs):
+                return self.head(self.hidden(inputs))
+
+        class Accumulating(AccumulatingModel):
+            def __init__(self):
+                super().__init__(micro_batch_size=6)
+                self.hidden = dense(16, 1, activation="tanh")
+                self.head = dense(3, 2)
+
+            call = Plain.call
+
+        x, y = _data()
+        plain, accumulating = Plain(), Accumulating()
+        h_plain = _fit(plain, x, y, 20)
+        h_acc = _fit(accumulating, x, y, 20)
+        _assert_same_weights(plain, accumulating)
+        _assert_same_history(h_plain, h_acc)
+
     def test_functional_use_leaves_subclassing_intact(self):
         _mlp(AccumulatingModel, micro_batch_size=3)  # functional first
 
