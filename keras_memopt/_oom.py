@@ -42,6 +42,8 @@ _TENSOR = re.compile(
 )
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]|Detected at node '?([^\s']+)'?")
 _BYTES = re.compile(r"(\d+) bytes")
+_SIZE = re.compile(r"allocate ([\d.]+)\s*([KMGT]i?B)")  # XLA: "allocate 34.12MiB"
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _DEVICE = re.compile(r"device:([A-Z]+:\d+)")
 
 
@@ -113,6 +115,9 @@ def parse_oom(message: str) -> dict:
     match = _BYTES.search(message)
     if match:
         info["bytes"] = int(match.group(1))
+    elif _SIZE.search(message):
+        match = _SIZE.search(message)
+        info["bytes"] = int(float(match.group(1)) * _UNITS[match.group(2)[0]])
     if info["device"] is None:
         device = _DEVICE.search(message)
         info["device"] = device.group(1) if device else None
@@ -435,10 +440,31 @@ class AutoSearch:
 
 
 def make_function(model, kind, make_keras_function, force=False):
-    """What `model.make_<kind>_function` returns: a `GuardedFunction`."""
-    current = getattr(model, f"{kind}_function", None)
+    """What `model.make_<kind>_function` returns: a `GuardedFunction`.
+
+    Step functions are kept per micro-batch setting, so that returning to a
+    setting (a backoff after the micro-batch was raised again, say) reuses the
+    traced function: each retrace costs TensorFlow host and device memory that
+    it does not give back. Keras resetting the functions (`compile`, a new
+    `remat`) empties the cache.
+    """
+    attr = f"{kind}_function"
+    current = getattr(model, attr, None)
     if current is not None and not force:
         return current
-    guarded = GuardedFunction(model, kind, make_keras_function)
-    guarded._build()
+    cache = model.__dict__.setdefault("_oom_functions", {})
+    if not force:
+        cache.clear()
+    key = (
+        kind,
+        model._micro_batch_size,
+        model._accumulation_steps,
+        model._micro_batch_jit_compile,
+    )
+    guarded = cache.get(key)
+    if guarded is None:
+        guarded = GuardedFunction(model, kind, make_keras_function)
+        guarded._build()
+        cache[key] = guarded
+    setattr(model, attr, guarded)
     return guarded

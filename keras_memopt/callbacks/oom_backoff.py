@@ -61,6 +61,11 @@ class OOMBackoff(keras.callbacks.Callback):
         TypeError: at the start of `fit`, `evaluate` or `predict`, if the model
             is not an `AccumulatingModel` (a plain `keras.Model` cannot split
             a batch, so there is nothing to shrink).
+        ValueError: at the start of `fit`, `evaluate` or `predict`, if the
+            model was compiled with `jit_compile=True`: an out-of-memory error
+            inside XLA leaves TensorFlow's allocator corrupt, so it cannot be
+            recovered from. With `jit_compile="auto"` resolving to XLA (as on
+            GPUs), OOMBackoff runs the micro-batches without XLA instead.
     """
 
     def __init__(
@@ -105,11 +110,35 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
                 f"Received: a model of type {type(model).__name__}"
             )
+        if model.micro_batch_jit_compile:
+            self._leave_xla(model)
         if self._depth == 0:
             backoffs = model.__dict__.setdefault("_oom_backoffs", [])
             if self not in backoffs:
                 backoffs.append(self)
         self._depth += 1
+
+    def _leave_xla(self, model):
+        # Measured on TF 2.21 (CPU): after an out-of-memory error inside an
+        # XLA-compiled micro-batch, the allocator's bookkeeping is corrupt and
+        # the process aborts when a buffer is freed later ("Check failed:
+        # h != kInvalidChunkHandle"). No rollback can make that safe.
+        if getattr(model, "_jit_compile_requested", None) != "auto":
+            raise ValueError(
+                "OOMBackoff cannot recover from an out-of-memory error inside "
+                "an XLA-compiled step: TensorFlow's allocator is left corrupt "
+                "and the process aborts later. Compile without XLA to use "
+                "OOMBackoff (`model.compile(..., jit_compile=False)`), or keep "
+                "XLA and drop OOMBackoff. Received: jit_compile=True"
+            )
+        model._micro_batch_jit_compile = False
+        model._rebuild_step_functions()
+        if self.verbose:
+            print(
+                "OOMBackoff: running micro-batches without XLA (jit_compile="
+                '"auto" chose XLA), since an out-of-memory error inside XLA '
+                "cannot be recovered from."
+            )
 
     def _detach(self):
         self._depth = max(0, self._depth - 1)
