@@ -1,18 +1,33 @@
 """Planner accuracy: predicted vs measured allocator peak of a train step.
 
 For an MLP, a small CNN and a small transformer block, at several (batch,
-micro-batch) sizes, this compares `MemoryPlanner.estimate(...).peak` — from
-shapes alone, and after `profile((16, 64))` (real steps on micro-batches of 16
-and 64 samples) — with the allocator peak of a real `AccumulatingModel` train
-step (`train_on_batch`, Adam), each measured in a fresh process on
-TensorFlow's BFC CPU allocator: the peak over the second
-step less what was in use before the model was built.
+micro-batch) sizes, this compares `MemoryPlanner.estimate(batch, micro).peak`
+with the allocator peak of real `AccumulatingModel` train steps (Adam,
+`train_on_batch`): in a fresh process on TensorFlow's BFC CPU allocator, one
+step to trace, then the peak over the next two steps less what was in use
+before the model was built; the median of `REPEATS` processes.
 
-Run: python benchmarks/planner_accuracy.py   (about two minutes on 2 cores)
+Predictions, each from a fresh planner:
+
+- shapes only: no measurement;
+- profiled near: `profile((micro // 2, micro), batch_size=batch)`, what
+  `plan(..., profile=True)` has measured when it recommends `micro` (so the
+  error is that of a measurement inside the planning process against fresh
+  processes);
+- extrapolated: `profile((micro // 4, micro // 2), batch_size=batch)`, a
+  straight line out to twice the largest measured size;
+- default profile: `profile()` (micro-batches of 16 and 64, each its own
+  batch), moved to the batch by the input's bytes.
+
+Then `plan(1024, budget, profile=True)` per model, and the measured peak of the
+recommended setting.
+
+Run: python benchmarks/planner_accuracy.py   (about 15 minutes on 2 busy cores)
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -24,6 +39,9 @@ ENV = dict(
 )
 CONFIGS = [(64, 64), (256, 256), (256, 64), (1024, 128)]
 MODELS = ["mlp", "cnn", "transformer"]
+PLANS = {"mlp": (1024, "100MiB"), "cnn": (1024, "160MiB"), "transformer": (1024, "128MiB")}
+REPEATS = 3
+COLUMNS = ["shapes", "near", "extrapolated", "default"]
 
 
 def build(name):
@@ -68,18 +86,37 @@ def measure(name, batch, micro):
     x, y = _synthetic_batch(model, batch)
     model.train_on_batch(x, y)
     tf.config.experimental.reset_memory_stats("CPU:0")
-    model.train_on_batch(x, y)
+    for _ in range(2):
+        model.train_on_batch(x, y)
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
 def predict(name):
     from keras_memopt.planning import MemoryPlanner
 
-    planner = MemoryPlanner(build(name), optimizer="adam")
-    shapes = {f"{b},{m}": planner.estimate(b, m).peak for b, m in CONFIGS}
-    planner.profile((16, 64))
-    calibrated = {f"{b},{m}": planner.estimate(b, m).peak for b, m in CONFIGS}
-    return {"shapes": shapes, "calibrated": calibrated}
+    model = build(name)
+
+    def fresh():
+        return MemoryPlanner(model, optimizer="adam")
+
+    result = {column: {} for column in COLUMNS}
+    default = fresh()
+    default.profile()
+    for batch, micro in CONFIGS:
+        key = f"{batch},{micro}"
+        result["shapes"][key] = fresh().estimate(batch, micro).peak
+        for column, sizes in (
+            ("near", (micro // 2, micro)),
+            ("extrapolated", (micro // 4, micro // 2)),
+        ):
+            planner = fresh()
+            planner.profile(sizes, batch_size=batch)
+            result[column][key] = planner.estimate(batch, micro).peak
+        result["default"][key] = default.estimate(batch, micro).peak
+    batch, budget = PLANS[name]
+    plan = fresh().plan(batch, budget, profile=True)
+    result["plan"] = [batch, budget, plan.micro_batch_size, plan.estimate.peak, plan.budget]
+    return result
 
 
 def child(code):
@@ -92,23 +129,43 @@ def child(code):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measured(name, batch, micro):
+    """Median peak over `REPEATS` fresh processes, and (max - min) / median."""
+    runs = [child(f"measure:{name}:{batch}:{micro}") for _ in range(REPEATS)]
+    median = statistics.median(runs)
+    return median, (max(runs) - min(runs)) / median
+
+
 def main():
     mib = 2**20
-    print("| model | batch | micro-batch | measured MiB | shapes-only MiB (err) "
-          "| calibrated MiB (err) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    worst = 0.0
+    print("| model | batch | micro-batch | measured MiB (spread) | shapes only "
+          "| profiled near | extrapolated | default profile |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    worst = dict.fromkeys(COLUMNS, 0.0)
+    plans = []
     for name in MODELS:
         predicted = child(f"predict:{name}")
         for batch, micro in CONFIGS:
-            measured = child(f"measure:{name}:{batch}:{micro}")
+            median, spread = measured(name, batch, micro)
             key = f"{batch},{micro}"
-            shapes, calibrated = predicted["shapes"][key], predicted["calibrated"][key]
-            err_s, err_c = shapes / measured - 1, calibrated / measured - 1
-            worst = max(worst, abs(err_c))
-            print(f"| {name} | {batch} | {micro} | {measured / mib:.1f} "
-                  f"| {shapes / mib:.1f} ({err_s:+.0%}) | {calibrated / mib:.1f} ({err_c:+.0%}) |")
-    print(f"\nworst calibrated error: {worst:.1%} (goal: within 10%)")
+            cells = []
+            for column in COLUMNS:
+                error = predicted[column][key] / median - 1
+                worst[column] = max(worst[column], abs(error))
+                cells.append(f"{predicted[column][key] / mib:.1f} ({error:+.0%})")
+            print(f"| {name} | {batch} | {micro} | {median / mib:.1f} ({spread:.0%}) | "
+                  + " | ".join(cells) + " |", flush=True)
+        batch, budget, micro, peak, budget_bytes = predicted["plan"]
+        plans.append((name, batch, budget, micro, peak, budget_bytes,
+                      *measured(name, batch, micro)))
+    print("\nworst error: " + ", ".join(f"{c} {worst[c]:.1%}" for c in COLUMNS))
+    print("\n| model | batch | budget | recommended micro-batch | predicted MiB "
+          "| measured MiB (spread) | error | measured within budget |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for name, batch, budget, micro, peak, budget_bytes, median, spread in plans:
+        print(f"| {name} | {batch} | {budget} | {micro} | {peak / mib:.1f} "
+              f"| {median / mib:.1f} ({spread:.0%}) | {peak / median - 1:+.0%} "
+              f"| {'yes' if median <= budget_bytes else 'no'} |")
 
 
 if __name__ == "__main__":

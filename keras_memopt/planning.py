@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import math
 
@@ -159,17 +160,12 @@ class MemoryEstimate:
             ("optimizer slots", self.optimizer_slots),
             ("gradient accumulators", self.gradient_accumulators),
             ("micro-batch gradients", self.micro_gradients),
-            (
-                "rest of the input batch (measured)"
-                if self.calibrated
-                else f"input batch ({self.batch_size} samples)",
-                self.input_batch,
-            ),
+            (f"input batch ({self.batch_size} samples)", self.input_batch),
             (f"activations ({self.micro_batch_size} samples)", self.activations),
         ]
-        if self.overhead:
-            parts.append(("measured step overhead", self.overhead))
-        parts.append(("peak" + (" (calibrated)" if self.calibrated else ""), self.peak))
+        if self.overhead or self.calibrated:
+            parts.append(("measured, not counted above", self.overhead))
+        parts.append(("peak" + (" (measured)" if self.calibrated else ""), self.peak))
         return parts
 
 
@@ -215,10 +211,20 @@ class MemoryPlanner:
     micro-batch's backward pass keeps, layer by layer.
 
     An estimate from shapes alone misses what TensorFlow adds (workspace,
-    allocator rounding, copies a kernel makes). `profile()` runs real train
-    steps on a copy of the model on two small micro-batches, reads the
-    allocator's peak, and calibrates the activation and overhead terms, after
-    which `estimate()` and `plan()` use the measured figures.
+    allocator rounding, copies a kernel makes): on a CPU, convolutions hold
+    tens of MiB that no shape shows. `profile()` runs real train steps on a
+    copy of the model and records the allocator's peak at each (batch,
+    micro-batch) size it measures; `estimate()` then interpolates between the
+    measured sizes, so its figures are close where it has measured nearby and
+    an extrapolation elsewhere. `plan(..., profile=True)` measures where it
+    matters: at the micro-batch size it is about to recommend, for the batch
+    size asked about, until its recommendation is a measured size.
+
+    Measured peaks are not exactly reproducible: on a CPU, the same step in
+    two fresh processes peaked up to about 5% apart (and at a few percent
+    apart from one step to the next), because the allocator's bytes in use
+    depend on the order in which TensorFlow's threads allocated and freed
+    before; keep `plan()`'s `margin` for that.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model).
@@ -231,8 +237,7 @@ class MemoryPlanner:
 
     ```python
     planner = MemoryPlanner(model, optimizer="adam")
-    planner.profile()                       # optional: one real step per size
-    plan = planner.plan(batch_size=256, budget="8GiB")
+    plan = planner.plan(batch_size=256, budget="8GiB", profile=True)
     print(plan.table())
     model = AccumulatingModel.from_model(model, micro_batch_size=plan.micro_batch_size)
     ```
@@ -329,8 +334,10 @@ class MemoryPlanner:
                 `batch_size` (no splitting).
 
         Returns:
-            A `MemoryEstimate`; `.peak` is the total in bytes, calibrated when
-            `profile()` has run.
+            A `MemoryEstimate`; `.peak` is the total in bytes. Once `profile()`
+            has measured, `.peak` comes from the measurements (interpolated in
+            the micro-batch size, extrapolated beyond the measured sizes) and
+            `.overhead` is what the measurement adds to the counted parts.
         """
         batch_size = _positive_int("batch_size", batch_size)
         micro = batch_size if micro_batch_size is None else micro_batch_size
@@ -347,52 +354,64 @@ class MemoryPlanner:
             activations=micro * self.activation_bytes_per_sample,
         )
         if self._calibration is not None:
-            # Measured: the step's transient memory at this micro-batch size
-            # (activations, gradients, accumulators, workspace) and the cost
-            # of the rest of the batch.
-            step = self._calibration.transient_at(micro)
-            estimate.input_batch = int((batch_size - micro) * self._calibration.per_extra_sample)
-            estimate.activations = int(micro * self.activation_bytes_per_sample)
-            estimate.overhead = int(
-                step - estimate.activations - estimate.gradient_accumulators
-                - estimate.micro_gradients
-            )
+            estimate.overhead = int(self._calibration.peak_at(batch_size, micro)) - estimate.peak
             estimate.calibrated = True
         return estimate
 
-    def profile(self, micro_batch_sizes: tuple[int, ...] = (16, 64)) -> dict[int, int]:
+    def profile(
+        self,
+        micro_batch_sizes: tuple[int, ...] = (16, 64),
+        batch_size: int | None = None,
+    ) -> dict[int, int]:
         """Measures real train steps and calibrates the estimate with them.
 
-        A copy of the model (fresh weights; the model itself is not touched)
-        is trained as an `AccumulatingModel` on synthetic data, a few steps per
-        size, each batch one micro-batch, and the allocator's peak over the
-        last step, less what was in use before it, is the step's transient
-        memory. The rest of a larger batch is counted from its shapes.
-        Afterwards `estimate()` interpolates between the measured sizes, and
-        extrapolates beyond them with the measured slope (never below the
-        slope of the shape-based activation estimate).
+        For each size, a fresh copy of the model (fresh weights; the model
+        itself is not touched) is compiled as an `AccumulatingModel` with a
+        copy of the optimizer and trained on synthetic data: one step to
+        trace it and build the optimizer, then two steps whose allocator
+        peak, less what was in use before the copy was made, is the
+        measurement. Measurements add up over calls (a size measured again
+        replaces the old figure); `estimate()` interpolates between them.
 
         Args:
             micro_batch_sizes: two or more distinct ints, the micro-batch
-                sizes to measure. Defaults to `(16, 64)`. Measuring close to
-                the sizes you will plan for gives the closest estimates.
+                sizes to measure. Defaults to `(16, 64)`. Measuring at and
+                around the sizes you will plan for gives the closest
+                estimates; `plan(..., profile=True)` does that for you.
+            batch_size: int, the batch each micro-batch size is measured
+                with. Defaults to one micro-batch per batch. Give the batch
+                size you will train with: a larger batch costs more than its
+                input tensors' bytes.
 
         Returns:
-            A dict from micro-batch size to the measured peak in bytes of a
-            step whose batch is one micro-batch (parameters and optimizer
-            slots included).
+            A dict from micro-batch size to the measured peak in bytes
+            (parameters and optimizer slots included), or `None` for a size
+            that ran out of memory.
 
         Raises:
+            ValueError: if fewer than two distinct sizes are given, or a size
+                exceeds `batch_size`.
             RuntimeError: if the device has no allocator figures (a CPU
                 without `TF_CPU_ALLOCATOR_USE_BFC=true`).
         """
-        sizes = tuple(micro_batch_sizes)
-        sizes = sorted({_positive_int("micro_batch_sizes", s) for s in sizes})
+        sizes = sorted({_positive_int("micro_batch_sizes", s) for s in tuple(micro_batch_sizes)})
         if len(sizes) < 2:
             raise ValueError(
                 "`micro_batch_sizes` must hold at least two distinct positive "
                 f"integers. Received: micro_batch_sizes={micro_batch_sizes!r}"
             )
+        if batch_size is not None:
+            batch_size = _positive_int("batch_size", batch_size)
+            if sizes[-1] > batch_size:
+                raise ValueError(
+                    "Every micro-batch size must be at most `batch_size`. "
+                    f"Received: micro_batch_sizes={micro_batch_sizes!r}, "
+                    f"batch_size={batch_size}"
+                )
+        device = self._profile_device()
+        return {m: self._measure(batch_size or m, m, device) for m in sizes}
+
+    def _profile_device(self):
         device = self.device or (
             "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
         )
@@ -405,24 +424,25 @@ class MemoryPlanner:
                 "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts. "
                 f"Received: device={device!r}"
             ) from error
-        parameters, slots, accumulators, grads = self._weights()
-        with tf.device(device):
-            model = _training_copy(self.model, self.optimizer)
-            transient = {m: _measure_step(model, self.model, m, m, device) for m in sizes}
-            del model
-        self._calibration = _Calibration(
-            sizes=sizes,
-            transient=[transient[m] for m in sizes],
-            per_extra_sample=self.input_bytes_per_sample,
-            min_slope=self.activation_bytes_per_sample,
-        )
-        return {size: parameters + slots + transient[size] for size in sizes}
+        return device
+
+    def _measure(self, batch, micro, device):
+        """Measures one (batch, micro-batch) size and records it; None on OOM."""
+        if self._calibration is None:
+            self._calibration = _Calibration(
+                per_batch_sample=self.input_bytes_per_sample,
+                min_slope=self.activation_bytes_per_sample,
+            )
+        peak = _measure_step(self.model, self.optimizer, batch, micro, device)
+        self._calibration.record(batch, micro, peak)
+        return peak
 
     def plan(
         self,
         batch_size: int,
         budget,
         margin: float = 0.1,
+        profile: bool = False,
     ) -> MemoryPlan:
         """Recommends the micro-batch size (and remat) for a batch and a budget.
 
@@ -433,12 +453,23 @@ class MemoryPlanner:
         `keras_memopt.remat` is available; its saving is not modelled, so
         the plan's estimate is then an upper bound.
 
+        With `profile=True` it measures (see `profile()`) at `batch_size`:
+        the size it would recommend and half of it, then, while the
+        measurements move its recommendation, the new recommendation (at most
+        four rounds), and recommends a measured size that fitted where the
+        rounds did not settle. It only measures sizes it estimates to fit the
+        budget; one that runs out of memory all the same counts as not
+        fitting.
+
         Args:
             batch_size: int, the effective batch size.
             budget: the memory available: bytes, or a string such as
                 `"8GiB"` or `"512MB"`.
             margin: float, the share of the budget kept free for what the
                 estimate misses. Defaults to 0.1.
+            profile: bool, whether to measure real train steps near the
+                recommendation first. Defaults to `False` (shapes and any
+                earlier `profile()` measurements only).
 
         Returns:
             A `MemoryPlan`; `plan.table()` is a readable summary.
@@ -446,6 +477,8 @@ class MemoryPlanner:
         Raises:
             ValueError: if the budget is below what the parameters, optimizer
                 slots and gradients alone need, or an argument is invalid.
+            RuntimeError: with `profile=True`, if the device has no allocator
+                figures.
         """
         batch_size = _positive_int("batch_size", batch_size)
         budget = parse_bytes(budget, "budget")
@@ -465,7 +498,32 @@ class MemoryPlanner:
                 f"margin of {margin:.0%}). Raise the budget or use an optimizer "
                 f"with fewer slots. Received: budget={budget}"
             )
-        if smallest.peak > usable:
+        if profile:
+            device = self._profile_device()
+            for _ in range(4):
+                micro = self._choose(batch_size, usable) or 1
+                measured = self._calibration.micro_sizes(batch_size) if self._calibration else ()
+                if micro in measured:
+                    break
+                todo = [micro]
+                if not measured and micro > 1:
+                    todo.insert(0, micro // 2)  # a slope for interpolation
+                for size in todo:
+                    if self._measure(batch_size, size, device) is None:
+                        break  # larger sizes will not fit either
+        micro = self._choose(batch_size, usable)
+        if profile and micro is not None:
+            # Measurements are noisy: when the rounds did not settle, prefer
+            # the largest measured size that fitted.
+            points = self._calibration.points
+            fitting = [
+                m for (b, m), peak in points.items()
+                if b == batch_size and m <= micro and peak <= usable
+            ]
+            if (batch_size, micro) not in points and fitting:
+                micro = max(fitting)
+        if micro is None:
+            smallest = self.estimate(batch_size, 1)
             remat = "auto" if _remat_available() else None
             note = "Not even a micro-batch of one sample fits in the budget. " + (
                 "remat='auto' recomputes activations in the backward pass; its "
@@ -475,7 +533,18 @@ class MemoryPlanner:
                 "in this version: lower the batch size or raise the budget."
             )
             return MemoryPlan(batch_size, budget, 1, remat, smallest, fits=False, note=note)
-        low, high = 1, batch_size  # the peak grows with the micro-batch size
+        return MemoryPlan(
+            batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
+        )
+
+    def _choose(self, batch_size, usable):
+        """The micro-batch size to recommend, or None when one sample does not fit."""
+        high = batch_size
+        if self._calibration is not None:
+            high = min(high, self._calibration.out_of_memory_at(batch_size) - 1)
+        if high < 1 or self.estimate(batch_size, 1).peak > usable:
+            return None
+        low = 1  # the peak grows with the micro-batch size
         while low < high:
             middle = (low + high + 1) // 2
             if self.estimate(batch_size, middle).peak <= usable:
@@ -483,10 +552,7 @@ class MemoryPlanner:
             else:
                 high = middle - 1
         even = max(d for d in _divisors(batch_size) if d <= low)
-        micro = even if even * 2 > low else low
-        return MemoryPlan(
-            batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
-        )
+        return even if even * 2 > low else low
 
 
 def _positive_int(name, value):
@@ -513,35 +579,97 @@ def _training_copy(model, optimizer):
 
 @dataclasses.dataclass
 class _Calibration:
-    sizes: list
-    transient: list
-    per_extra_sample: float
-    min_slope: float
+    """Measured peaks by (batch, micro-batch) size, and how to read between them."""
 
-    def transient_at(self, micro):
-        sizes, values = self.sizes, self.transient
-        if micro <= sizes[0]:
-            slope = (values[1] - values[0]) / (sizes[1] - sizes[0])
-            return max(values[0] - (sizes[0] - micro) * max(slope, 0.0), 0.0)
-        for i in range(1, len(sizes)):
-            if micro <= sizes[i]:
-                m0, m1, v0, v1 = sizes[i - 1], sizes[i], values[i - 1], values[i]
-                return v0 + (v1 - v0) * (micro - m0) / (m1 - m0)
-        slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
-        return values[-1] + (micro - sizes[-1]) * max(slope, self.min_slope)
+    per_batch_sample: float  # what a sample more in the batch costs, from shapes
+    min_slope: float  # the shape-based activation bytes per micro-batch sample
+    points: dict = dataclasses.field(default_factory=dict)  # (batch, micro) -> bytes
+    failed: dict = dataclasses.field(default_factory=dict)  # batch -> smallest OOM micro
+
+    def record(self, batch, micro, peak):
+        if peak is None:
+            self.failed[batch] = min(micro, self.failed.get(batch, micro))
+            self.points.pop((batch, micro), None)
+        else:
+            self.points[(batch, micro)] = peak
+
+    def micro_sizes(self, batch):
+        sizes = {m for b, m in self.points if b == batch}
+        return sizes | {m for b, m in self.failed.items() if b == batch}
+
+    def out_of_memory_at(self, batch):
+        """The smallest micro-batch size seen to run out of memory at `batch`."""
+        sizes = [m for b, m in self.failed.items() if b <= batch]
+        return min(sizes, default=math.inf)
+
+    def peak_at(self, batch, micro):
+        # One figure per micro-batch size: the one measured with the batch
+        # closest to `batch`, moved to `batch` by the shape cost of the
+        # samples in between.
+        nearest = {}
+        for (b, m), peak in self.points.items():
+            if m not in nearest or abs(b - batch) < abs(nearest[m][0] - batch):
+                nearest[m] = (b, peak)
+        if not nearest:
+            return 0.0
+        sizes = sorted(nearest)
+        values = [nearest[m][1] + (batch - nearest[m][0]) * self.per_batch_sample for m in sizes]
+        if micro in nearest:
+            return values[sizes.index(micro)]
+        if sizes[0] < micro < sizes[-1]:
+            return float(np.interp(micro, sizes, values))
+        # Beyond the measured sizes: a straight line fitted by least squares
+        # to the (up to) three nearest sizes, from the nearest one.
+        above = micro > sizes[-1]
+        near = slice(-3, None) if above else slice(0, 3)
+        slope = _slope(sizes[near], values[near])
+        if above:
+            return values[-1] + (micro - sizes[-1]) * max(slope, self.min_slope)
+        return max(values[0] - (sizes[0] - micro) * max(slope, 0.0), 0.0)
 
 
-def _measure_step(model, source, batch, micro, device):
-    """Transient allocator bytes of one train step of `model`."""
-    model.micro_batch_size = micro
+def _slope(sizes, values):
+    if len(sizes) < 2:
+        return 0.0
+    return float(np.polyfit(np.asarray(sizes, float), np.asarray(values, float), 1)[0])
+
+
+def _measure_step(source, optimizer, batch, micro, device):
+    """Allocator peak of train steps of a fresh training copy of `source`.
+
+    Bytes over what was in use before the copy was made, so the copy's
+    parameters and optimizer slots count; None if it ran out of memory.
+    """
+    from keras_memopt._oom import is_oom
+
     x, y = _synthetic_batch(source, batch)
-    # The first steps of a process or a new trace allocate one-off buffers.
-    model.train_on_batch(x, y)
-    model.train_on_batch(x, y)
+    gc.collect()
     before = tf.config.experimental.get_memory_info(device)["current"]
-    tf.config.experimental.reset_memory_stats(device)
-    model.train_on_batch(x, y)
-    return tf.config.experimental.get_memory_info(device)["peak"] - before
+    model = None
+    # Every copy traces its own step functions: TensorFlow's retracing
+    # warning would be noise here.
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        with tf.device(device):
+            model = _training_copy(source, optimizer)
+            model.micro_batch_size = micro
+            # The first step traces the step and builds the optimizer's slots;
+            # its transient allocations are not those of training.
+            model.train_on_batch(x, y)
+            tf.config.experimental.reset_memory_stats(device)
+            for _ in range(2):
+                model.train_on_batch(x, y)
+        return tf.config.experimental.get_memory_info(device)["peak"] - before
+    except tf.errors.OpError as error:
+        if not is_oom(error):
+            raise
+        return None
+    finally:
+        logger.setLevel(level)
+        del model
+        gc.collect()
 
 
 def _synthetic_batch(model, size):
