@@ -7,7 +7,8 @@ with the allocator peak of real `AccumulatingModel` train steps (Adam,
 step to trace, then the peak over the next two steps less what was in use
 before the model was built; the median of `REPEATS` processes.
 
-Predictions, each from a fresh planner:
+Predictions, each from a fresh planner (and, but for the default profile, in a
+fresh process per setting):
 
 - shapes only: no measurement;
 - profiled near: `profile((micro // 2, micro), batch_size=batch)`, what
@@ -22,7 +23,15 @@ Predictions, each from a fresh planner:
 Then `plan(1024, budget, profile=True)` per model, and the measured peak of the
 recommended setting.
 
-Run: python benchmarks/planner_accuracy.py   (about 15 minutes on 2 busy cores)
+With `--inter-op-threads 1`, every process runs TensorFlow's ops one at a
+time (`tf.config.threading.set_inter_op_parallelism_threads(1)`): with
+parallel ops the CPU kernels' workspaces overlap or not depending on
+scheduling, and the same step's peak differs from process to process by up to
+a third on the CNN; one inter-op thread takes most of that noise out (the
+peaks it measures are of that configuration, not of the default one).
+
+Run: python benchmarks/planner_accuracy.py [--inter-op-threads 1]
+(about 15 minutes on 2 busy cores)
 """
 
 import json
@@ -91,32 +100,39 @@ def measure(name, batch, micro):
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
-def predict(name):
+def predict(name, batch, micro):
+    """Shapes-only, profiled-near and extrapolated estimates of one setting.
+
+    One planning process per setting, as a user would run `plan()`: the
+    allocator's history (what earlier copies allocated and freed) moves
+    later measurements in the same process by up to ~15%.
+    """
     from keras_memopt.planning import MemoryPlanner
 
     model = build(name)
-
-    def fresh():
-        return MemoryPlanner(model, optimizer="adam")
-
-    result = {column: {} for column in COLUMNS}
-    default = fresh()
-    default.profile()
-    for batch, micro in CONFIGS:
-        key = f"{batch},{micro}"
-        result["shapes"][key] = fresh().estimate(batch, micro).peak
-        for column, sizes in (
-            ("near", (micro // 2, micro)),
-            ("extrapolated", (micro // 4, micro // 2)),
-        ):
-            planner = fresh()
-            planner.profile(sizes, batch_size=batch)
-            result[column][key] = planner.estimate(batch, micro).peak
-        result["default"][key] = default.estimate(batch, micro).peak
-    batch, budget = PLANS[name]
-    plan = fresh().plan(batch, budget, profile=True)
-    result["plan"] = [batch, budget, plan.micro_batch_size, plan.estimate.peak, plan.budget]
+    result = {"shapes": MemoryPlanner(model, optimizer="adam").estimate(batch, micro).peak}
+    for column, sizes in (
+        ("near", (micro // 2, micro)),
+        ("extrapolated", (micro // 4, micro // 2)),
+    ):
+        planner = MemoryPlanner(model, optimizer="adam")
+        planner.profile(sizes, batch_size=batch)
+        result[column] = planner.estimate(batch, micro).peak
     return result
+
+
+def predict_default(name):
+    """Estimates after the default `profile()`, and a profiled `plan()`."""
+    from keras_memopt.planning import MemoryPlanner
+
+    model = build(name)
+    planner = MemoryPlanner(model, optimizer="adam")
+    planner.profile()
+    result = {f"{b},{m}": planner.estimate(b, m).peak for b, m in CONFIGS}
+    batch, budget = PLANS[name]
+    plan = MemoryPlanner(model, optimizer="adam").plan(batch, budget, profile=True)
+    return {"default": result,
+            "plan": [batch, budget, plan.micro_batch_size, plan.estimate.peak, plan.budget]}
 
 
 def child(code):
@@ -144,18 +160,19 @@ def main():
     worst = dict.fromkeys(COLUMNS, 0.0)
     plans = []
     for name in MODELS:
-        predicted = child(f"predict:{name}")
+        by_model = child(f"default:{name}")
         for batch, micro in CONFIGS:
             median, spread = measured(name, batch, micro)
-            key = f"{batch},{micro}"
+            predicted = child(f"predict:{name}:{batch}:{micro}")
+            predicted["default"] = by_model["default"][f"{batch},{micro}"]
             cells = []
             for column in COLUMNS:
-                error = predicted[column][key] / median - 1
+                error = predicted[column] / median - 1
                 worst[column] = max(worst[column], abs(error))
-                cells.append(f"{predicted[column][key] / mib:.1f} ({error:+.0%})")
+                cells.append(f"{predicted[column] / mib:.1f} ({error:+.0%})")
             print(f"| {name} | {batch} | {micro} | {median / mib:.1f} ({spread:.0%}) | "
                   + " | ".join(cells) + " |", flush=True)
-        batch, budget, micro, peak, budget_bytes = predicted["plan"]
+        batch, budget, micro, peak, budget_bytes = by_model["plan"]
         plans.append((name, batch, budget, micro, peak, budget_bytes,
                       *measured(name, batch, micro)))
     print("\nworst error: " + ", ".join(f"{c} {worst[c]:.1%}" for c in COLUMNS))
@@ -169,10 +186,21 @@ def main():
 
 
 if __name__ == "__main__":
+    if "--inter-op-threads" in sys.argv:
+        threads = sys.argv[sys.argv.index("--inter-op-threads") + 1]
+        ENV["KMO_BENCH_INTER_OP_THREADS"] = threads
+        print(f"inter-op threads: {threads}")
+    if os.environ.get("KMO_BENCH_INTER_OP_THREADS"):
+        import tensorflow as tf
+
+        threads = int(os.environ["KMO_BENCH_INTER_OP_THREADS"])
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         kind, *args = sys.argv[2].split(":")
-        if kind == "predict":
-            print(json.dumps(predict(args[0])))
+        if kind == "default":
+            print(json.dumps(predict_default(args[0])))
+        elif kind == "predict":
+            print(json.dumps(predict(args[0], int(args[1]), int(args[2]))))
         else:
             print(json.dumps(measure(args[0], int(args[1]), int(args[2]))))
     else:
