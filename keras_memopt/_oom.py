@@ -431,7 +431,8 @@ class AutoSearch:
             out_of_memory_trials=[size for size, _ in self.trials],
             seconds=seconds,
         )
-        self.model.micro_batch_search = report
+        # A plain dict: Keras would otherwise track (and wrap) it as model state.
+        object.__setattr__(self.model, "micro_batch_search", report)
         print(
             f'micro_batch_size="auto": chose micro_batch_size={chosen} '
             f"(out of memory at: {failed}; search took {seconds:.1f} s, "
