@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt import _oom
 from keras_memopt import pruning as _pruning
 from keras_memopt import remat as _remat
 
@@ -30,6 +31,8 @@ def _validate_split(micro_batch_size, accumulation_steps):
             f"micro_batch_size={micro_batch_size!r}, "
             f"accumulation_steps={accumulation_steps!r}"
         )
+    if micro_batch_size == "auto":  # resolved by `_oom.AutoSearch` at the first step
+        return "auto", None
     if micro_batch_size is not None:
         return _positive_int("micro_batch_size", micro_batch_size), None
     if accumulation_steps is None:
@@ -55,9 +58,6 @@ def _slice(structure, start, size):
     )
 
 
-def _accumulator_dtype(variable):
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
 def _check_remat_target(remat, functional, model):
     if remat is not None and not functional:
         raise ValueError(
@@ -67,6 +67,9 @@ def _check_remat_target(remat, functional, model):
         )
 
 
+def _accumulator_dtype(variable):
+    dtype = tf.as_dtype(variable.dtype)
+    return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
 
 
 class AccumulatingModel(K.keras.Model):
@@ -113,14 +116,15 @@ class AccumulatingModel(K.keras.Model):
     Args:
         micro_batch_size: int, the number of samples in each micro-batch. The
             last micro-batch of a batch may be smaller; a batch smaller than
-            `micro_batch_size` is one micro-batch.
+            `micro_batch_size` is one micro-batch. `"auto"`: at the first step,
+            the largest size that runs, found by trying real steps (failed
+            attempts rolled back), starting from the whole batch and shrinking
+            by half (or by an attached `OOMBackoff`'s factor); the choice and
+            its cost are printed and kept in `model.micro_batch_search`.
         accumulation_steps: int, the number of micro-batches to split each
             batch into, as evenly as possible. Give at most one of
             `micro_batch_size` and `accumulation_steps`; with neither, each
             batch is one micro-batch (until, say, `OOMBackoff` shrinks it).
-        *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
-            `name`, ...).
-
         remat: recomputed ("rematerialised") segments of a functional model:
             their activations are freed after the forward pass and recomputed
             in the backward pass, exactly (same dropout masks, BatchNorm
@@ -131,6 +135,9 @@ class AccumulatingModel(K.keras.Model):
             every segment but the last. Subclassed models wrap blocks in
             `keras_memopt.Remat` instead. Defaults to `None` (no
             recomputation).
+        *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
+            `name`, ...).
+
     Example:
 
     ```python
@@ -187,10 +194,10 @@ class AccumulatingModel(K.keras.Model):
         *,
         micro_batch_size: int | None = None,
         accumulation_steps: int | None = None,
+        remat: str | list[str] | None = None,
         name: str | None = None,
     ) -> AccumulatingModel:
         """Wraps an existing model; the result shares its layers and weights.
-        remat: str | list[str] | None = None,
 
         A functional or `Sequential` model is rebuilt as a functional
         `AccumulatingModel` over the same layers; a subclassed model is called
@@ -208,10 +215,10 @@ class AccumulatingModel(K.keras.Model):
         """
         split = dict(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps)
         _validate_split(**split)
+        _remat.validate_remat(remat)
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "
-        _remat.validate_remat(remat)
                 f"Received: model={model!r} of type {type(model).__name__}"
             )
         try:
@@ -264,8 +271,15 @@ class AccumulatingModel(K.keras.Model):
         split = _validate_split(micro_batch_size, accumulation_steps)
         if split != (self._micro_batch_size, self._accumulation_steps):
             self._micro_batch_size, self._accumulation_steps = split
-            # Python numbers baked into traced step functions go stale.
-            self.train_function = self.test_function = self.predict_function = None
+            # Python numbers baked into traced step functions go stale; the
+            # ones already made are rebuilt now, since `fit` looks them up
+            # again at every step.
+            self._rebuild_step_functions()
+
+    def _rebuild_step_functions(self):
+        for kind in ("train", "test", "predict"):
+            if getattr(self, f"{kind}_function", None) is not None:
+                getattr(self, f"make_{kind}_function")(force=True)
 
     @property
     def remat(self) -> str | list[str] | None:
@@ -311,6 +325,7 @@ class AccumulatingModel(K.keras.Model):
                 )
         super().compile(*args, **K.compile_kwargs(jit_compile), **kwargs)
         self._micro_batch_jit_compile = K.resolve_jit_compile(self, jit_compile)
+        self._jit_compile_requested = jit_compile  # OOMBackoff treats "auto" apart
         if not K.LEGACY:
             self.jit_compile = False
 
@@ -321,12 +336,47 @@ class AccumulatingModel(K.keras.Model):
         if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
 
+    # -- the step functions: wrapped so that OOMBackoff can retry a batch ----------
+
+    def make_train_function(self, force=False):
+        return _oom.make_function(self, "train", super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return _oom.make_function(self, "test", super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return _oom.make_function(self, "predict", super().make_predict_function, force)
+
     # -- the steps ----------------------------------------------------------------
 
     def _forward(self, x, training):
         if training and self._remat_plan is not None:
             return self._remat_plan(x, training=training)
         return self(x, training=training)
+
+    def _build_before_loop(self, x):
+        """Builds a model that has not been called yet on a one-sample batch.
+
+        Keras builds such (subclassed) models in their first traced step, but
+        TensorFlow cannot create variables inside the micro-batch loop, and
+        the loop needs the variables to size its accumulators.
+        """
+        if self.built:
+            return
+
+        def one_sample(t):
+            shape = [1, *t.shape[1:]]
+            if None in shape:
+                raise ValueError(
+                    "AccumulatingModel could not build the model from the "
+                    "input's shape, which has unknown dimensions. Build it "
+                    "first by calling it once on a batch. Received: an input "
+                    f"of shape {t.shape}"
+                )
+            return tf.zeros(shape, t.dtype)
+
+        with tf.init_scope():
+            self(tf.nest.map_structure(one_sample, x), training=False)
 
     def _micro_gradients(self, x, y, sample_weight, fraction):
         """Loss share and (loss-scaled) gradients of one micro-batch."""
@@ -347,6 +397,7 @@ class AccumulatingModel(K.keras.Model):
         """
         _check_splittable(data)
         x, y, sample_weight = K.unpack_x_y_sample_weight(data)
+        self._build_before_loop(x)
         leaves = [t for t in tf.nest.flatten(x) if t is not None]
         batch_size = tf.shape(leaves[0])[0]
         size = self._micro_size(batch_size)
@@ -370,6 +421,8 @@ class AccumulatingModel(K.keras.Model):
         return batch_size, state
 
     def train_step(self, data):
+        _check_splittable(data)
+        self._build_before_loop(K.unpack_x_y_sample_weight(data)[0])
         variables = self.trainable_variables
         micro_gradients = self._micro_gradients
         if self._micro_batch_jit_compile:
@@ -420,6 +473,7 @@ class AccumulatingModel(K.keras.Model):
     def predict_step(self, data):
         x, _, _ = K.unpack_x_y_sample_weight(data)
         _check_splittable(x)
+        self._build_before_loop(x)
         leaves = [t for t in tf.nest.flatten(x) if t is not None]
         batch_size = tf.shape(leaves[0])[0]
         size = self._micro_size(batch_size)
