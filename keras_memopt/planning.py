@@ -220,11 +220,13 @@ class MemoryPlanner:
     matters: at the micro-batch size it is about to recommend, for the batch
     size asked about, until its recommendation is a measured size.
 
-    Measured peaks are not exactly reproducible: on a CPU, the same step in
-    two fresh processes peaked up to about 5% apart (and at a few percent
-    apart from one step to the next), because the allocator's bytes in use
-    depend on the order in which TensorFlow's threads allocated and freed
-    before; keep `plan()`'s `margin` for that.
+    Measured peaks are not exactly reproducible: on a CPU, the same step's
+    peak in fresh processes spread by up to 31% (a small CNN, default
+    threading; 8% with one inter-op thread), and a measurement in a process
+    where other copies trained before can differ from a fresh process's by
+    as much, because the allocator's bytes in use depend on what was
+    allocated and freed before, and in which order. Keep `plan()`'s `margin`
+    for that.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model).
