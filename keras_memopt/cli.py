@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--margin", type=float, default=0.1,
                       help="share of the budget kept free (default: 0.1)")
     plan.add_argument("--profile", action="store_true",
-                      help="calibrate with real train steps on small batches first")
+                      help="measure real train steps near the recommended micro-batch")
     plan.add_argument("--unsafe", action="store_true",
                       help="load with safe_mode=False (runs Lambda code: only for files you trust)")
     args, rest = parser.parse_known_args(argv)
@@ -65,9 +65,9 @@ def _plan(args) -> int:
 
         model = keras.models.load_model(args.model, compile=True, safe_mode=not args.unsafe)
         planner = MemoryPlanner(model, optimizer=args.optimizer)
-        if args.profile:
-            planner.profile()
-        result = planner.plan(args.batch_size, budget, margin=args.margin)
+        result = planner.plan(
+            args.batch_size, budget, margin=args.margin, profile=args.profile
+        )
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         print(f"keras-memopt plan: error: {error}", file=sys.stderr)
         return 2

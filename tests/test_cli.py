@@ -54,3 +54,9 @@ def test_plan_loads_in_safe_mode(keras_module, tmp_path, capsys):
     keras_module.Model(inputs, outputs).save(path)
     assert main(["plan", path, "--batch-size", "8", "--budget", "1GiB"]) == 2
     assert "safe" in capsys.readouterr().err.lower()
+
+
+def test_plan_profile_measures_real_steps(saved_model, capsys):
+    assert main(["plan", saved_model, "--batch-size", "64", "--budget", "1GiB",
+                 "--profile"]) == 0
+    assert "peak (measured)" in capsys.readouterr().out
