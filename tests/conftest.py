@@ -69,3 +69,14 @@ def _clear_session():
 
     keras.backend.clear_session()
     yield
+
+
+@pytest.fixture(scope="session")
+def mirrored_strategy():
+    """One MirroredStrategy over the two logical CPUs for the whole session.
+
+    Strategies created one after another in one process can hand out clashing
+    collective-op keys (tf_keras: "Shape mismatch in the collective instance"),
+    so the tests share one.
+    """
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])

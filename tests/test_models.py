@@ -287,11 +287,11 @@ class TestBatchNormalization:
 
 
 class TestDistribution:
-    def test_mirrored_strategy_matches_one_device(self):
+    def test_mirrored_strategy_matches_one_device(self, mirrored_strategy):
         x, y = _data(n=64)
         single = _mlp(AccumulatingModel, micro_batch_size=5)
         h_single = _fit(single, x, y, 32)
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        strategy = mirrored_strategy
         with strategy.scope():
             mirrored = _mlp(AccumulatingModel, micro_batch_size=5)
             h_mirrored = _fit(mirrored, x, y, 32)

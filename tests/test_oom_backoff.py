@@ -310,9 +310,9 @@ class TestBackoff:
         column = header.split(",").index("micro_batch_size")
         assert [float(row.split(",")[column]) for row in rows] == [16, 16]
 
-    def test_mirrored_strategy(self, fake_oom):
+    def test_mirrored_strategy(self, fake_oom, mirrored_strategy):
         x, y = _data(n=64)
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        strategy = mirrored_strategy
         with strategy.scope():
             model = _model(micro_batch_size=16)
             reference = _model(micro_batch_size=4)

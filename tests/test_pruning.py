@@ -179,11 +179,10 @@ class TestPruning:
         for kernel in _kernels(pruning.strip_pruning(model)):
             np.testing.assert_allclose(np.mean(kernel == 0), 0.5, atol=0.01)
 
-    def test_distribution_strategy_is_refused_clearly(self):
-        import tensorflow as tf
+    def test_distribution_strategy_is_refused_clearly(self, mirrored_strategy):
 
         x, y = _data(n=32)
-        with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        with mirrored_strategy.scope():
             model = pruning.prune_low_magnitude(
                 _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
             )

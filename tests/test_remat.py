@@ -321,9 +321,9 @@ class TestSegments:
         assert model.micro_batch_jit_compile
         _assert_same_state(plain, model, rtol=1e-5, atol=1e-6)
 
-    def test_mirrored_strategy_matches_no_recomputation(self):
+    def test_mirrored_strategy_matches_no_recomputation(self, mirrored_strategy):
         x, y = _data()
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        strategy = mirrored_strategy
         models = []
         for remat in (None, "auto"):
             with strategy.scope():
