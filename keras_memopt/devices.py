@@ -7,6 +7,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_memopt._validation import positive_int
 from keras_memopt.memory import MIB, parse_bytes
 
 _ALLOCATORS = ("cuda_malloc_async", "bfc")
@@ -94,14 +95,8 @@ def configure_devices(
             "`memory_growth` must be True, False or None. "
             f"Received: memory_growth={memory_growth!r}"
         )
-    if logical_devices is not None and (
-        isinstance(logical_devices, bool) or not isinstance(logical_devices, int)
-        or logical_devices < 1
-    ):
-        raise ValueError(
-            "`logical_devices` must be a positive integer. "
-            f"Received: logical_devices={logical_devices!r}"
-        )
+    if logical_devices is not None:
+        positive_int("logical_devices", logical_devices)
     if allocator is not None and allocator not in _ALLOCATORS:
         raise ValueError(
             f"`allocator` must be one of {_ALLOCATORS}. Received: allocator={allocator!r}"

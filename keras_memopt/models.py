@@ -8,18 +8,11 @@ from keras_memopt import _keras as K
 from keras_memopt import _oom
 from keras_memopt import pruning as _pruning
 from keras_memopt import remat as _remat
+from keras_memopt._validation import positive_int
 
 keras = K.keras
 
 _SPLIT_ARGS = ("micro_batch_size", "accumulation_steps")
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
-    return value
 
 
 def _validate_split(micro_batch_size, accumulation_steps):
@@ -34,10 +27,10 @@ def _validate_split(micro_batch_size, accumulation_steps):
     if micro_batch_size == "auto":  # resolved by `_oom.AutoSearch` at the first step
         return "auto", None
     if micro_batch_size is not None:
-        return _positive_int("micro_batch_size", micro_batch_size), None
+        return positive_int("micro_batch_size", micro_batch_size), None
     if accumulation_steps is None:
         return None, 1
-    return None, _positive_int("accumulation_steps", accumulation_steps)
+    return None, positive_int("accumulation_steps", accumulation_steps)
 
 
 def _check_splittable(data):

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt._validation import positive_int
 from keras_memopt.memory import format_bytes, parse_bytes
 
 keras = K.keras
@@ -341,9 +342,9 @@ class MemoryPlanner:
             the micro-batch size, extrapolated beyond the measured sizes) and
             `.overhead` is what the measurement adds to the counted parts.
         """
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         micro = batch_size if micro_batch_size is None else micro_batch_size
-        micro = min(_positive_int("micro_batch_size", micro), batch_size)
+        micro = min(positive_int("micro_batch_size", micro), batch_size)
         parameters, slots, accumulators, grads = self._weights()
         estimate = MemoryEstimate(
             batch_size=batch_size,
@@ -396,14 +397,14 @@ class MemoryPlanner:
             RuntimeError: if the device has no allocator figures (a CPU
                 without `TF_CPU_ALLOCATOR_USE_BFC=true`).
         """
-        sizes = sorted({_positive_int("micro_batch_sizes", s) for s in tuple(micro_batch_sizes)})
+        sizes = sorted({positive_int("micro_batch_sizes", s) for s in tuple(micro_batch_sizes)})
         if len(sizes) < 2:
             raise ValueError(
                 "`micro_batch_sizes` must hold at least two distinct positive "
                 f"integers. Received: micro_batch_sizes={micro_batch_sizes!r}"
             )
         if batch_size is not None:
-            batch_size = _positive_int("batch_size", batch_size)
+            batch_size = positive_int("batch_size", batch_size)
             if sizes[-1] > batch_size:
                 raise ValueError(
                     "Every micro-batch size must be at most `batch_size`. "
@@ -482,7 +483,7 @@ class MemoryPlanner:
             RuntimeError: with `profile=True`, if the device has no allocator
                 figures.
         """
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         budget = parse_bytes(budget, "budget")
         if not 0 <= margin < 1:
             raise ValueError(f"`margin` must be in [0, 1). Received: margin={margin!r}")
@@ -555,12 +556,6 @@ class MemoryPlanner:
                 high = middle - 1
         even = max(d for d in _divisors(batch_size) if d <= low)
         return even if even * 2 > low else low
-
-
-def _positive_int(name, value):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
 
 
 def _divisors(n):

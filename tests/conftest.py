@@ -56,6 +56,15 @@ def run_python(code, memory_limit_mb=None, timeout=600, env=None):
     return result
 
 
+def peak_bytes_of_fit(model, x, y, batch_size):
+    """Allocator peak above the resting memory during one epoch, after a warm-up."""
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace and warm up
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+
+
 @pytest.fixture
 def keras_module():
     from keras_memopt._keras import keras

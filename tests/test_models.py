@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import LEGACY
+from conftest import LEGACY, peak_bytes_of_fit
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
@@ -346,14 +346,6 @@ class TestMixedPrecision:
         assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-def _peak_bytes_of_fit(model, x, y, batch_size):
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace and warm up
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
-
-
 def _wide(cls=keras.Model, **kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
@@ -372,7 +364,7 @@ class TestCompilation:
         for micro in (None, 512, 128):
             model = _wide() if micro is None else _wide(AccumulatingModel, micro_batch_size=micro)
             model.compile("sgd", "mse", jit_compile=jit_compile)
-            peaks[micro] = _peak_bytes_of_fit(model, x, y, 2048)
+            peaks[micro] = peak_bytes_of_fit(model, x, y, 2048)
         # Six 2048x256 float32 activations (2 MiB each) and their gradients
         # dominate the plain step; a micro-batch of 128 keeps 1/16 of them.
         assert peaks[512] < 0.6 * peaks[None], peaks

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import LEGACY
+from conftest import LEGACY, peak_bytes_of_fit
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import keras
@@ -80,14 +80,6 @@ def _assert_same_state(a, b, **tolerance):
     assert len(wa) == len(wb)
     for x, y in zip(wa, wb, strict=True):
         np.testing.assert_allclose(x, y, **(tolerance or EXACT))
-
-
-def _peak_bytes_of_fit(model, x, y, batch_size):
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace and warm up
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
 
 
 class TestRemat:
@@ -215,7 +207,7 @@ class TestRemat:
         for wrap in (False, True):
             model = net(wrap)
             model.compile("sgd", "mse")
-            peaks[wrap] = _peak_bytes_of_fit(model, x, y, 1024)
+            peaks[wrap] = peak_bytes_of_fit(model, x, y, 1024)
         # 16 activations of 1 MiB each: recomputed blocks keep 8 of them.
         # TensorFlow's parallel scheduling moves the peak by up to ~15% from
         # run to run; a recomputation that saved nothing would give >= 1.
@@ -353,7 +345,7 @@ class TestSegments:
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 jit_compile=jit_compile,
             )
-            peaks[remat] = _peak_bytes_of_fit(model, x, y, 2048)
+            peaks[remat] = peak_bytes_of_fit(model, x, y, 2048)
         # Measured 0.24-0.85 over runs (the peak moves with TensorFlow's
         # parallel scheduling, most under XLA on tf_keras); a recomputation
         # that saved nothing would give >= 1.

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from keras_memopt._keras import keras
+from keras_memopt._validation import positive_int
 from keras_memopt.memory import MemoryReader
 
 # Files that a live logger is writing, so that a second logger in the same
@@ -114,15 +115,8 @@ class MemoryLogger(keras.callbacks.Callback):
         verbose: int = 0,
     ):
         super().__init__()
-        if every_n_batches is not None and (
-            isinstance(every_n_batches, bool)
-            or not isinstance(every_n_batches, int)
-            or every_n_batches < 1
-        ):
-            raise ValueError(
-                "`every_n_batches` must be a positive integer or None. "
-                f"Received: every_n_batches={every_n_batches!r}"
-            )
+        if every_n_batches is not None:
+            positive_int("every_n_batches", every_n_batches)
         if append and overwrite:
             raise ValueError(
                 "Pass at most one of `append` and `overwrite`. Received: "

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from keras_memopt import _oom
 from keras_memopt._keras import keras
+from keras_memopt._validation import positive_int
 
 
 class OOMBackoff(keras.callbacks.Callback):
@@ -79,15 +80,7 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`factor` must be a number between 0 and 1 (exclusive), the "
                 f"fraction of the micro-batch to keep. Received: factor={factor!r}"
             )
-        if (
-            isinstance(min_micro_batch_size, bool)
-            or not isinstance(min_micro_batch_size, int)
-            or min_micro_batch_size < 1
-        ):
-            raise ValueError(
-                "`min_micro_batch_size` must be a positive integer. "
-                f"Received: min_micro_batch_size={min_micro_batch_size!r}"
-            )
+        positive_int("min_micro_batch_size", min_micro_batch_size)
         self.factor = float(factor)
         self.min_micro_batch_size = min_micro_batch_size
         self.verbose = verbose
