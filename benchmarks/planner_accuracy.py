@@ -12,9 +12,9 @@ fresh process per setting):
 
 - shapes only: no measurement;
 - profiled near: `profile((micro // 2, micro), batch_size=batch)`, what
-  `plan(..., profile=True)` has measured when it recommends `micro` (so the
-  error is that of a measurement inside the planning process against fresh
-  processes);
+  `plan(..., profile=True)` has measured when it recommends `micro` (on a
+  CPU each measurement runs in a fresh process of its own, so the error is
+  that of one fresh process against the median of others);
 - extrapolated: `profile((micro // 4, micro // 2), batch_size=batch)`, a
   straight line out to twice the largest measured size;
 - default profile: `profile()` (micro-batches of 16 and 64, each its own
@@ -101,12 +101,7 @@ def measure(name, batch, micro):
 
 
 def predict(name, batch, micro):
-    """Shapes-only, profiled-near and extrapolated estimates of one setting.
-
-    One planning process per setting, as a user would run `plan()`: the
-    allocator's history (what earlier copies allocated and freed) moves
-    later measurements in the same process by up to ~15%.
-    """
+    """Shapes-only, profiled-near and extrapolated estimates of one setting."""
     from keras_memopt.planning import MemoryPlanner
 
     model = build(name)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -221,12 +226,22 @@ class MemoryPlanner:
     matters: at the micro-batch size it is about to recommend, for the batch
     size asked about, until its recommendation is a measured size.
 
-    Measured peaks are not exactly reproducible: on a CPU, the same step's
+    Where it measures: the allocator's bytes in use depend on what was
+    allocated and freed before, and in which order, so a copy trained in a
+    process where other copies trained before can peak 15-25% away from the
+    same step in a fresh process, which is what training will run in. So by
+    default, on a CPU, each measurement runs in a fresh Python process (a
+    subprocess that rebuilds the model from `model.to_json()` with fresh
+    weights, with this process's environment, threading and precision
+    policy; a few seconds each). Models that cannot be rebuilt there (a
+    subclassed model without `get_config`, a custom layer the subprocess
+    cannot import) are measured in this process instead, with a warning. On
+    a GPU, measurements run in this process: it holds the GPU's memory.
+
+    Peaks are not exactly reproducible even so: on a CPU, the same step's
     peak in fresh processes spread by up to 31% (a small CNN, default
-    threading; 8% with one inter-op thread), and a measurement in a process
-    where other copies trained before can differ from a fresh process's by
-    as much, because the allocator's bytes in use depend on what was
-    allocated and freed before, and in which order. Keep `plan()`'s `margin`
+    threading; 8% with one inter-op thread), because independent ops'
+    working memory overlaps or not from run to run. Keep `plan()`'s `margin`
     for that.
 
     Args:
@@ -235,6 +250,11 @@ class MemoryPlanner:
             `"adam"`. Defaults to the model's compiled optimizer, or Adam.
         device: str, the device `profile()` measures on. Defaults to `"GPU:0"`
             where there is a GPU, else `"CPU:0"`.
+        isolate: bool, whether `profile()` measures each size in a fresh
+            process. Defaults to `None`: yes on a CPU, no on a GPU. `True`
+            raises instead of falling back when the model cannot be rebuilt
+            in a subprocess; on a GPU it needs the GPU's memory free (memory
+            growth, or a limit that leaves room).
 
     Example:
 
@@ -249,7 +269,9 @@ class MemoryPlanner:
         ValueError: if the model is not built, or has no fixed input shape.
     """
 
-    def __init__(self, model, optimizer=None, device: str | None = None):
+    def __init__(
+        self, model, optimizer=None, device: str | None = None, isolate: bool | None = None
+    ):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"`model` must be a `keras.Model`. Received: model={model!r} "
@@ -262,9 +284,14 @@ class MemoryPlanner:
                 f"`model.build(input_shape)`. Received: model={model.name!r} "
                 f"(built={model.built})"
             )
+        if isolate not in (None, True, False):
+            raise TypeError(
+                f"`isolate` must be None, True or False. Received: isolate={isolate!r}"
+            )
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None) or "adam"
         self.model = model
+        self.isolate = isolate
         self.optimizer = keras.optimizers.get(optimizer)
         self.device = device
         self._calibration = None
@@ -373,8 +400,10 @@ class MemoryPlanner:
         copy of the optimizer and trained on synthetic data: one step to
         trace it and build the optimizer, then two steps whose allocator
         peak, less what was in use before the copy was made, is the
-        measurement. Measurements add up over calls (a size measured again
-        replaces the old figure); `estimate()` interpolates between them.
+        measurement. On a CPU that happens in a fresh process per size (see
+        `isolate` in the class documentation). Measurements add up over calls
+        (a size measured again replaces the old figure); `estimate()`
+        interpolates between them.
 
         Args:
             micro_batch_sizes: two or more distinct ints, the micro-batch
@@ -436,7 +465,16 @@ class MemoryPlanner:
                 per_batch_sample=self.input_bytes_per_sample,
                 min_slope=self.activation_bytes_per_sample,
             )
-        peak = _measure_step(self.model, self.optimizer, batch, micro, device)
+        isolate = self.isolate
+        if isolate is None:
+            isolate = "GPU" not in device.upper()
+        peak = _NOT_ISOLATED
+        if isolate:
+            peak = _measure_in_subprocess(
+                self.model, self.optimizer, batch, micro, device, required=self.isolate
+            )
+        if peak is _NOT_ISOLATED:
+            peak = _measure_step(self.model, self.optimizer, batch, micro, device)
         self._calibration.record(batch, micro, peak)
         return peak
 
@@ -667,6 +705,65 @@ def _measure_step(source, optimizer, batch, micro, device):
         logger.setLevel(level)
         del model
         gc.collect()
+
+
+_NOT_ISOLATED = object()
+
+
+def _measure_in_subprocess(model, optimizer, batch, micro, device, required):
+    """`_measure_step` in a fresh process (see `keras_memopt._profile_child`).
+
+    Returns `_NOT_ISOLATED` where the model cannot be rebuilt there and
+    `required` is not True (after a warning), so the caller measures here.
+    """
+    try:
+        spec = json.dumps(
+            dict(
+                model=model.to_json(),
+                optimizer=keras.optimizers.serialize(optimizer),
+                batch=batch,
+                micro=micro,
+                device=device,
+                inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads(),
+                intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+                policy=keras.mixed_precision.global_policy().name,
+            )
+        )
+    except (NotImplementedError, TypeError, ValueError) as error:
+        reason = f"the model or optimizer cannot be written as JSON ({error})"
+    else:
+        env = dict(os.environ)
+        if "GPU" not in device.upper():
+            env["CUDA_VISIBLE_DEVICES"] = "-1"  # leave this process's GPUs alone
+        result = subprocess.run(
+            [sys.executable, "-m", "keras_memopt._profile_child"],
+            input=spec,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith("KMO_")]
+        if result.returncode == 0 and lines and lines[-1].startswith("KMO_PEAK "):
+            value = lines[-1].split()[1]
+            return None if value == "oom" else int(value)
+        if not (lines and lines[-1].startswith("KMO_UNLOADABLE ")):
+            raise RuntimeError(
+                f"Measuring micro-batch {micro} of a batch of {batch} in a subprocess "
+                f"failed (exit status {result.returncode}):\n{result.stderr[-3000:]}"
+            )
+        reason = f"the subprocess cannot rebuild it ({lines[-1].split(' ', 1)[1]})"
+    if required:
+        raise RuntimeError(
+            f"`profile()` cannot measure in a fresh process: {reason}. Pass "
+            "`isolate=False` to `MemoryPlanner` to measure in this process. "
+            f"Received: isolate={required!r}"
+        )
+    warnings.warn(
+        f"MemoryPlanner measures in this process: {reason}. Its figures can be "
+        "15-25% off a fresh process's where other models trained before.",
+        stacklevel=4,
+    )
+    return _NOT_ISOLATED
 
 
 def _synthetic_batch(model, size):

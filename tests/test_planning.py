@@ -1,8 +1,11 @@
+import subprocess
+from unittest import mock
+
 import numpy as np
 import pytest
 from conftest import run_python
 
-from keras_memopt import AccumulatingModel
+from keras_memopt import AccumulatingModel, planning
 from keras_memopt.planning import MemoryPlanner, _Calibration
 
 
@@ -121,7 +124,7 @@ class TestProfile:
             MemoryPlanner(_mlp(keras_module)).profile((16, 64), batch_size=32)
 
     def test_profile_measures_at_the_batch_size_given(self, keras_module):
-        planner = MemoryPlanner(_mlp(keras_module), device="CPU:0")
+        planner = MemoryPlanner(_mlp(keras_module), device="CPU:0", isolate=False)
         own = planner.profile((256, 512))
         large = planner.profile((256, 512), batch_size=16384)
         # Both sets are kept, each read back at its own batch size. (How much
@@ -133,6 +136,61 @@ class TestProfile:
         for size in (256, 512):
             np.testing.assert_allclose(planner.estimate(16384, size).peak, large[size], rtol=1e-6)
             np.testing.assert_allclose(planner.estimate(size, size).peak, own[size], rtol=1e-6)
+
+
+class TestIsolation:
+    """On a CPU, `profile()` measures each size in a fresh process by default."""
+
+    def test_a_measurement_is_that_of_a_fresh_training_process(self, keras_module):
+        planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam")
+        with mock.patch.object(planning.subprocess, "run", wraps=subprocess.run) as run:
+            measured = planner.profile((64, 512), batch_size=512)
+        assert [c.args[0][1:] for c in run.call_args_list] == [
+            ["-m", "keras_memopt._profile_child"]
+        ] * 2
+        # The same steps in a fresh process of their own, as training would run them.
+        result = run_python(
+            """
+            import tensorflow as tf
+            from keras_memopt import AccumulatingModel
+            from keras_memopt._keras import keras
+            from keras_memopt.planning import _synthetic_batch
+
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            inputs = keras.Input((32,))
+            hidden = keras.layers.Dense(1024, activation="relu")(inputs)
+            model = AccumulatingModel(inputs, keras.layers.Dense(4)(hidden), micro_batch_size=512)
+            model.compile(optimizer="adam", loss="mse")
+            x, y = _synthetic_batch(model, 512)
+            model.train_on_batch(x, y)
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            for _ in range(2):
+                model.train_on_batch(x, y)
+            print("RESULT", tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+            """
+        )
+        fresh = int(result.stdout.split("RESULT")[1])
+        np.testing.assert_allclose(measured[512], fresh, rtol=0.1)
+        # Parameters, two Adam slots, accumulators, gradients and activations of
+        # 64 samples are far below those of 512.
+        assert measured[512] > measured[64] * 1.5
+
+    def test_a_model_it_cannot_rebuild_is_measured_here_with_a_warning(self, keras_module):
+        class Doubler(keras_module.layers.Layer):  # not registered: no subprocess can load it
+            def call(self, inputs):
+                return inputs * 2.0
+
+        inputs = keras_module.Input((32,))
+        model = keras_module.Model(inputs, keras_module.layers.Dense(4)(Doubler()(inputs)))
+        with pytest.warns(UserWarning, match="measures in this process"):
+            measured = MemoryPlanner(model).profile((8, 16))
+        assert all(peak > 0 for peak in measured.values())
+        with pytest.raises(RuntimeError, match="Pass `isolate=False`"):
+            MemoryPlanner(model, isolate=True).profile((8, 16))
+
+    def test_isolate_must_be_a_bool_or_none(self, keras_module):
+        with pytest.raises(TypeError, match="Received: isolate='yes'"):
+            MemoryPlanner(_mlp(keras_module), isolate="yes")
 
 
 class TestCalibration:
@@ -183,12 +241,13 @@ class TestProfiledPlan:
         inputs = keras_module.Input((128,))
         hidden = keras_module.layers.Dense(4096, activation="relu")(inputs)
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(hidden))
-        probe = MemoryPlanner(model, device="CPU:0")
+        # In this process, to keep the test short (isolation has tests of its own).
+        probe = MemoryPlanner(model, device="CPU:0", isolate=False)
         small, full = probe.profile((64, 1024), batch_size=1024).values()
         assert full > small * 1.5  # activations dominate at this size
         budget = int((small + full) / 2 / 0.9)
 
-        planner = MemoryPlanner(model, device="CPU:0")
+        planner = MemoryPlanner(model, device="CPU:0", isolate=False)
         plan = planner.plan(1024, budget, profile=True)
         measured = planner._calibration.points
         assert plan.fits and 1 < plan.micro_batch_size < 1024
