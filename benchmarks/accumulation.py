@@ -7,13 +7,22 @@ with Keras's optimizer-side `gradient_accumulation_steps` (the input pipeline
 then delivers batch/k samples and the optimizer applies every k-th step),
 with `jit_compile=False` and `True`.
 
-Every configuration runs in its own worker process on TensorFlow's BFC CPU
-allocator, so its peak is its own: the allocator peak over one epoch after a
-warm-up epoch (deterministic). Times are noisy on a shared machine, so all
-workers of a model stay alive and their timed epochs are interleaved, in a
-shuffled order each round; a configuration's time ratio is the median over
-rounds of its epoch time divided by plain Keras's epoch time in the same
-round.
+Peaks: every configuration runs alone in a worker process on TensorFlow's BFC
+CPU allocator, so its peak is its own: the allocator peak over one epoch after
+a warm-up epoch (deterministic).
+
+Times: all configurations of a model run in one further process, so that what
+differs from process to process (where the allocator put the weights, how the
+thread pools ran; up to ~10% on the MLP in two earlier versions of this
+script) is not read as a difference between configurations. An epoch is
+STEPS_PER_EPOCH effective batches; its time is the sum of its training
+steps, each timed from `on_train_batch_begin` to `on_train_batch_end`.
+(Timing the whole `fit` call instead adds `fit`'s own fixed cost, which here
+jumps between ~0 and ~0.2 s from one call to the next, in plain Keras as much
+as anywhere, and swamped the step times of the first version.) The timed
+epochs are interleaved, in a shuffled order each round; a configuration's
+time ratio is the median over rounds of its epoch time divided by plain
+Keras's epoch time in the same round.
 
 Run: python benchmarks/accumulation.py   (about 30 minutes on a busy 2-core machine;
       --models mlp --repeats 3 for a quicker look, --help for the rest)
@@ -41,7 +50,7 @@ ENV = dict(
 BATCH = {"mlp": 4096, "cnn": 256, "transformer": 128}
 MODELS = tuple(BATCH)
 SPLITS = (2, 4, 8)
-STEPS_PER_EPOCH = 1
+STEPS_PER_EPOCH = 4
 
 
 def build(name):
@@ -93,10 +102,11 @@ def batch_data(name, size):
     return x, rng.integers(0, 10, size).astype("int32")
 
 
-# -- worker: one configuration in its own TensorFlow ---------------------------------
+# -- workers --------------------------------------------------------------------------
 
 
-def worker(config):
+def setup(config):
+    """The model and the dataset of one configuration, and an epoch timer for it."""
     import tensorflow as tf
 
     import keras_memopt as kmo
@@ -123,65 +133,80 @@ def worker(config):
         tf.data.Dataset.from_tensors((x, y)).unbatch().batch(pipeline_batch).repeat(STEPS_PER_EPOCH)
     )
 
-    def epoch():
-        start = time.perf_counter()
-        model.fit(dataset, epochs=1, verbose=0)
-        return time.perf_counter() - start
+    class StepTimer(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seconds = 0.0
 
+        def on_train_batch_begin(self, batch, logs=None):
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seconds += time.perf_counter() - self.started
+
+    timer = StepTimer()
+
+    def epoch():
+        model.fit(dataset, epochs=1, verbose=0, callbacks=[timer])
+        return timer.seconds
+
+    return model, epoch
+
+
+def peak_worker(config):
+    """One configuration alone in its TensorFlow: its allocator peak."""
+    import tensorflow as tf
+
+    model, epoch = setup(config)
     epoch()  # traces and builds the optimizer
     tf.config.experimental.reset_memory_stats("CPU:0")
     resting = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    first = epoch()
+    epoch()
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     weights = sum(int(v.numpy().nbytes) for v in model.weights)
-    print(
-        "READY " + json.dumps(dict(peak=peak, resting=resting, weights=weights, seconds=first)),
-        flush=True,
+    return dict(peak=peak, resting=resting, weights=weights)
+
+
+def time_worker(configs, repeats, seed):
+    """All configurations of a model in one TensorFlow: their epoch times, by round.
+
+    One process for all, so that what differs between processes (where the
+    allocator placed the weights, how the thread pools were scheduled; up to
+    ~10% on the MLP) is not mistaken for a difference between configurations.
+    """
+    epochs = [setup(config)[1] for config in configs]
+    for epoch in epochs:
+        epoch()  # traces and builds the optimizer
+    rng = random.Random(seed)
+    rounds = []
+    for _ in range(repeats):
+        order = list(range(len(configs)))
+        rng.shuffle(order)
+        seconds = [0.0] * len(configs)
+        for index in order:
+            seconds[index] = epochs[index]()
+        rounds.append(seconds)
+    return rounds
+
+
+# -- parent ----------------------------------------------------------------------------
+
+
+def start(task):
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)],
+        env={**os.environ, **ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    for line in sys.stdin:
-        if line.strip() != "run":
-            break
-        print(f"TIME {epoch()}", flush=True)
 
 
-# -- parent: starts the workers, interleaves their timed epochs ---------------------
-
-
-class Worker:
-    def __init__(self, config):
-        self.config = config
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(config)],
-            env={**os.environ, **ENV},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.ready = None
-        self.times = []
-
-    def _read(self, tag):
-        for line in self.process.stdout:
-            if line.startswith(tag + " "):
-                return line[len(tag) + 1 :].strip()
-        error = self.process.stderr.read()[-3000:]
-        raise RuntimeError(f"worker {self.config} failed:\n{error}")
-
-    def wait_ready(self):
-        self.ready = json.loads(self._read("READY"))
-
-    def run(self):
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        seconds = float(self._read("TIME"))
-        self.times.append(seconds)
-        return seconds
-
-    def close(self):
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            self.process.wait(timeout=60)
+def result(process, task):
+    out, err = process.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if process.returncode or not lines:
+        raise RuntimeError(f"worker {task} failed:\n{err[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def configurations(name, jit_compile, legacy):
@@ -204,33 +229,26 @@ def label(config):
     return f"Keras gradient_accumulation_steps={split} (batch {batch // split})"
 
 
-def measure(name, jit_compile, repeats, legacy, rng):
-    workers = [Worker(config) for config in configurations(name, jit_compile, legacy)]
-    try:
-        for worker_ in workers:
-            worker_.wait_ready()
-        ratios = {id(w): [] for w in workers}
-        for _ in range(repeats):
-            order = list(workers)
-            rng.shuffle(order)
-            seconds = {id(w): w.run() for w in order}
-            plain = seconds[id(workers[0])]
-            for worker_ in workers:
-                ratios[id(worker_)].append(seconds[id(worker_)] / plain)
-    finally:
-        for worker_ in workers:
-            worker_.close()
+def measure(name, jit_compile, repeats, legacy, seed):
+    configs = list(configurations(name, jit_compile, legacy))
+    # Peaks: one process per configuration (side by side: a peak does not
+    # depend on the load). Times: then one process for all of them.
+    peaks = [(start({"peak": c}), {"peak": c}) for c in configs]
+    peaks = [result(*p) for p in peaks]
+    task = {"time": configs, "repeats": repeats, "seed": seed}
+    rounds = result(start(task), task)
     rows = []
-    for worker_ in workers:
+    for index, (config, peak) in enumerate(zip(configs, peaks, strict=True)):
+        ratios = [seconds[index] / seconds[0] for seconds in rounds]
         rows.append(
             dict(
-                config=worker_.config,
-                peak_mib=worker_.ready["peak"] / 2**20,
-                resting_mib=worker_.ready["resting"] / 2**20,
-                weights_mib=worker_.ready["weights"] / 2**20,
-                epoch_s=statistics.median(worker_.times),
-                ratio=statistics.median(ratios[id(worker_)]),
-                ratio_range=(min(ratios[id(worker_)]), max(ratios[id(worker_)])),
+                config=config,
+                peak_mib=peak["peak"] / 2**20,
+                resting_mib=peak["resting"] / 2**20,
+                weights_mib=peak["weights"] / 2**20,
+                epoch_s=statistics.median(seconds[index] for seconds in rounds),
+                ratio=statistics.median(ratios),
+                ratio_range=(min(ratios), max(ratios)),
             )
         )
     return rows
@@ -271,15 +289,19 @@ def main(argv=None):
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(json.loads(args.worker))
+        task = json.loads(args.worker)
+        if "peak" in task:
+            answer = peak_worker(task["peak"])
+        else:
+            answer = time_worker(task["time"], task["repeats"], task["seed"])
+        print("RESULT " + json.dumps(answer), flush=True)
         return 0
     legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
-    rng = random.Random(0)
     rows = []
     for name in args.models:
         for jit in args.jit_compile:
             started = time.perf_counter()
-            new = measure(name, jit == "true", args.repeats, legacy, rng)
+            new = measure(name, jit == "true", args.repeats, legacy, seed=len(rows))
             rows += new
             print(
                 f"# {name}, jit_compile={jit}: {time.perf_counter() - started:.0f} s; weights "
