@@ -240,9 +240,9 @@ class MemoryPlanner:
 
     Peaks are not exactly reproducible even so: on a CPU, the same step's
     peak in fresh processes spread by up to 31% (a small CNN, default
-    threading; 8% with one inter-op thread), because independent ops'
-    working memory overlaps or not from run to run. Keep `plan()`'s `margin`
-    for that.
+    threading; up to 16% with one inter-op thread): independent ops' working
+    memory overlaps or not, and the first (tracing) step leaves more or less
+    allocated, from run to run. Keep `plan()`'s `margin` for that.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model).
