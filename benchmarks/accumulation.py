@@ -24,7 +24,7 @@ epochs are interleaved, in a shuffled order each round; a configuration's
 time ratio is the median over rounds of its epoch time divided by plain
 Keras's epoch time in the same round.
 
-Run: python benchmarks/accumulation.py   (about 30 minutes on a busy 2-core machine;
+Run: python benchmarks/accumulation.py   (about 30 minutes on 2 cores;
       --models mlp --repeats 3 for a quicker look, --help for the rest)
 """
 
@@ -106,7 +106,8 @@ def batch_data(name, size):
 
 
 def setup(config):
-    """The model and the dataset of one configuration, and an epoch timer for it."""
+    """The model of one configuration, and a function that trains it for one
+    epoch and returns the seconds its training steps took."""
     import tensorflow as tf
 
     import keras_memopt as kmo

@@ -441,7 +441,10 @@ class MemoryPlanner:
                     f"batch_size={batch_size}"
                 )
         device = self._profile_device()
-        return {m: self._measure(batch_size or m, m, device) for m in sizes}
+        measured = {}
+        for size in sizes:  # a loop, not a comprehension: warnings point at the caller
+            measured[size] = self._measure(batch_size or size, size, device)
+        return measured
 
     def _profile_device(self):
         device = self.device or (

@@ -182,8 +182,9 @@ class TestIsolation:
 
         inputs = keras_module.Input((32,))
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(Doubler()(inputs)))
-        with pytest.warns(UserWarning, match="measures in this process"):
+        with pytest.warns(UserWarning, match="measures in this process") as caught:
             measured = MemoryPlanner(model).profile((8, 16))
+        assert {w.filename for w in caught} == {__file__}  # points at the caller
         assert all(peak > 0 for peak in measured.values())
         with pytest.raises(RuntimeError, match="Pass `isolate=False`"):
             MemoryPlanner(model, isolate=True).profile((8, 16))
