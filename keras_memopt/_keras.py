@@ -75,14 +75,50 @@ def compile_kwargs(jit_compile):
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
-    """The model's total loss for one micro-batch, regularisation included."""
+    """The model's `compute_loss` (a user's override included), regularisation included."""
     if LEGACY:
-        # tf_keras tracks the reported loss inside `compiled_loss`, weighted by
-        # the micro-batch size, which adds up to the batch's mean.
         return model.compute_loss(x, y, y_pred, sample_weight)
     return model._compute_loss(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
     )
+
+
+def compiled_loss_container(model):
+    """Keras's container of the losses given to `compile`, or None."""
+    return getattr(model, "compiled_loss" if LEGACY else "_compile_loss", None)
+
+
+def compiled_loss(model, y, y_pred, sample_weight, terms):
+    """The compiled losses plus `terms`, by Keras's own container.
+
+    tf_keras's container also updates the reported loss (weighted by the
+    dynamic batch size); Keras 3's updates its per-output loss trackers.
+    """
+    container = compiled_loss_container(model)
+    if LEGACY:
+        return container(y, y_pred, sample_weight, regularization_losses=terms)
+    loss = container(y, y_pred, sample_weight)
+    loss = tf.zeros([]) if loss is None else loss
+    for term in terms:
+        loss += tf.cast(term, loss.dtype)
+    return loss
+
+
+def additional_loss(model, term):
+    """A term of `model.losses` as Keras 3 adds it to the loss (scaled for replicas)."""
+    return model._aggregate_additional_loss(term)
+
+
+def output_loss_trackers(model):
+    """Keras 3's per-output loss trackers (`Mean` metrics), in output order."""
+    container = compiled_loss_container(model)
+    return list(container.metrics) if container is not None else []
+
+
+def static_batch_dim(x):
+    """The static first dimension of a batch (None when unknown), as Keras reads it."""
+    leaves = [t for t in tf.nest.flatten(x) if t is not None]
+    return leaves[0].shape[0] if leaves else None
 
 
 def update_metrics(model, x, y, y_pred, sample_weight):
@@ -261,6 +297,20 @@ class replaying:  # noqa: N801 (a context manager, named like one)
 # -- out-of-memory recovery (keras_memopt._oom) --------------------------------
 
 
+def global_random_state():
+    """Keras 3's global seed generator's state (random ops called without a seed).
+
+    Keras offers no public handle on it, so it is read from Keras's global
+    state, where `keras.utils.set_random_seed` resets it; tf_keras has none.
+    """
+    if LEGACY:
+        return []
+    state = getattr(getattr(keras, "src", None), "backend", None)
+    state = getattr(getattr(state, "common", None), "global_state", None)
+    generator = state.get_global_attribute("global_seed_generator") if state else None
+    return [generator.state] if generator is not None else []
+
+
 def optimizer_variables(optimizer):
     """All variables of an optimizer (iterations, slots, loss scale, ...)."""
     variables = optimizer.variables
@@ -305,13 +355,14 @@ def _reduce_per_replica(values, strategy, reduction):
 
 
 def strip_optionals(data):
-    """Keras 3 feeds missing elements as empty `tf.experimental.Optional`s."""
+    """Keras 3 feeds missing elements as empty `tf.experimental.Optional`s (or their specs)."""
     return tf.nest.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
+        lambda t: None if isinstance(t, (tf.experimental.Optional, tf.OptionalSpec)) else t,
+        data,
     )
 
 
-def one_step_function(model, kind):
+def one_step_function(model, kind, step=None):
     """A function that runs one `kind` step on one batch of data (not an iterator).
 
     Keras's own step functions pull the batch from a `tf.data` iterator inside
@@ -321,7 +372,7 @@ def one_step_function(model, kind):
     `get_concrete_function(data)` creates the optimizer's and metrics' variables
     without running a step.
     """
-    step = getattr(model, f"{kind}_step")
+    step = step or getattr(model, f"{kind}_step")
     counter = getattr(model, f"_{kind}_counter", None) if LEGACY else None
     strategy = model.distribute_strategy
     reduction = "concat" if kind == "predict" else "auto"

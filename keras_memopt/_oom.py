@@ -1,21 +1,14 @@
-"""Out-of-memory recovery for `AccumulatingModel`: detect, roll back, retry.
+"""Out-of-memory errors: recognise them, report them, and one policy for backing off.
 
-A Keras callback cannot catch an error raised inside `fit()`, so the model's
-train, test and predict functions are wrapped here (`make_function`). While an
-`OOMBackoff` callback is attached to the model, the wrapper pulls each batch
-from the iterator itself, takes a snapshot of every variable the step may
-touch, and runs the step on that batch. On an out-of-memory error it puts the
-snapshot back, lets the callback shrink `micro_batch_size`, rebuilds the step
-function (the micro-batch size is baked into the traced graph) and runs the
-*same* batch again. The iterator never advances for a failed attempt, so no
-sample is lost or seen twice, and the effective batch (so the result) does
-not change. Without an `OOMBackoff` the wrapper calls Keras's own function.
+- `is_oom` recognises an out-of-memory error however TensorFlow reports it;
+  `parse_oom` and `oom_report` say what failed to allocate and what to try.
+- `Snapshot` takes and puts back every variable a step may change, so a
+  failed step leaves no trace.
+- `BackoffPolicy` is the one rule for the next micro-batch size after an
+  out-of-memory error, and the final report at the smallest size. `OOMBackoff`
+  attaches one to the model; `micro_batch_size="auto"` searches with it.
 
-Snapshots cost no copy up front: TensorFlow tensors are immutable, so the
-values read from the variables stay valid while the step updates the
-variables (an in-place update of a buffer that a snapshot still holds copies
-it first). The extra memory is the state the step actually rewrites, held
-until the step returns, once the step's activations are already freed.
+The runner that uses them to retry a batch is `keras_memopt._runner`.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ import tensorflow as tf
 
 from keras_memopt import _keras as K
 
-_KINDS = ("train", "test", "predict")
 _DISGUISED = (
     "resourceexhausted",
     "resource exhausted",
@@ -160,6 +152,12 @@ def describe_allocation(info):
     return what
 
 
+def allocation_note(error) -> str:
+    """" (what failed to allocate)", or "" when the message does not say."""
+    info = parse_oom(str(error))
+    return f" ({describe_allocation(info)})" if any(info.values()) else ""
+
+
 def oom_report(error: BaseException, micro_batch_size, minimum) -> str:
     """The readable report raised when backing off can go no further."""
     info = parse_oom(str(error))
@@ -199,6 +197,8 @@ def _first_line(error):
     return lines[0].strip() if lines else ""
 
 
+
+
 # -- state snapshots ----------------------------------------------------------------
 
 
@@ -207,7 +207,8 @@ def state_variables(model) -> list:
 
     Weights (trainable and not: BatchNormalization statistics, Keras 3 seed
     generator states), optimizer variables (iterations, slots, loss scale),
-    metric variables, and tf_keras's step counters; each once.
+    metric variables, tf_keras's step counters and Keras 3's global seed
+    generator; each once.
     """
     groups = [model.variables]
     optimizer = getattr(model, "optimizer", None)
@@ -215,6 +216,7 @@ def state_variables(model) -> list:
         groups.append(K.optimizer_variables(optimizer))
     groups.extend(metric.variables for metric in model.metrics)
     groups.append(K.step_counters(model))
+    groups.append(K.global_random_state())
     seen, variables = set(), []
     for group in groups:
         for variable in group:
@@ -225,7 +227,13 @@ def state_variables(model) -> list:
 
 
 class Snapshot:
-    """Takes and restores the values of a model's state variables."""
+    """Takes and puts back the values of a model's state variables.
+
+    Taking costs no copy: TensorFlow tensors are immutable, so the values
+    read stay valid while the step updates the variables (an in-place update
+    of a buffer that a snapshot still holds copies it first). The extra
+    memory is the state the step rewrites, held until the step returns.
+    """
 
     def __init__(self, model):
         self.model = model
@@ -246,7 +254,7 @@ class Snapshot:
             )
 
     def take(self):
-        """The current values (no copy is made until a variable changes)."""
+        """The current values, to give back to `restore`."""
         self._refresh()
         return self._variables, self._read()
 
@@ -259,213 +267,72 @@ class Snapshot:
             self._write(values)
 
 
-# -- the wrapped step functions ----------------------------------------------------
+# -- backing off ------------------------------------------------------------------
 
 
-def attached_backoff(model):
-    """The first `OOMBackoff` attached to `model` (by its `on_*_begin`), if any."""
-    backoffs = getattr(model, "_oom_backoffs", None)
-    return backoffs[0] if backoffs else None
+class BackoffPolicy:
+    """The next micro-batch size after an out-of-memory error, or the final report.
 
+    Args:
+        factor: float in (0, 1), what the micro-batch is multiplied by at each
+            backoff (rounded down, and always at least one sample smaller).
+        min_micro_batch_size: int, the smallest micro-batch to try.
+        on_backoff: called with a dict describing each backoff (`kind`,
+            `failed_micro_batch_size`, `micro_batch_size`,
+            `failed_step_seconds`, `recovery_seconds`), or None.
+    """
 
-def batch_size_of(data):
-    """The number of samples per replica in a batch of data."""
-    for leaf in tf.nest.flatten(data, expand_composites=False):
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            leaf = leaf.values[0]
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) and shape[0] is not None:
-            return int(shape[0])
-    return None
+    def __init__(self, factor=0.5, min_micro_batch_size=1, on_backoff=None):
+        self.factor = factor
+        self.min_micro_batch_size = min_micro_batch_size
+        self.on_backoff = on_backoff
 
+    def next_size(self, current, error):
+        """The micro-batch size to retry with after `error` at `current`.
 
-def micro_batch_in_use(model, batch_size):
-    """The micro-batch size a step on `batch_size` samples runs with."""
-    if isinstance(model.micro_batch_size, int):
-        return min(model.micro_batch_size, batch_size or model.micro_batch_size)
-    steps = model.accumulation_steps or 1
-    if batch_size is None:
-        return None
-    return max(1, -(-batch_size // steps))
+        Raises:
+            tf.errors.ResourceExhaustedError: with `oom_report`'s text, when
+                `current` is already the smallest size allowed.
+        """
+        minimum = self.min_micro_batch_size
+        if current is None or current <= minimum:
+            raise tf.errors.ResourceExhaustedError(
+                None, None, oom_report(error, current, minimum)
+            ) from error
+        return max(minimum, min(current - 1, int(current * self.factor)))
 
-
-class GuardedFunction:
-    """`model.<kind>_function` that can roll back and retry a failed step."""
-
-    def __init__(self, model, kind, make_keras_function):
-        self.model = model
-        self.kind = kind
-        self._make_keras_function = make_keras_function
-        self._keras_function = None
-        # One snapshot per model: its read and write functions outlive rebuilds.
-        self._snapshot = model.__dict__.setdefault("_oom_snapshot", Snapshot(model))
-
-    # Keras looks for these on its own functions in a few places.
-    def __getattr__(self, name):
-        if name.startswith("__") or self.__dict__.get("_keras_function") is None:
-            raise AttributeError(name)
-        return getattr(self._keras_function, name)
-
-    def _build(self):
-        attr = f"{self.kind}_function"
-        built = self._make_keras_function(force=True)
-        self._keras_function = getattr(self.model, attr, None) or built
-        setattr(self.model, attr, self)
-        self._one_step = K.one_step_function(self.model, self.kind)
-        self._traced = False
-
-    def _traced_step(self, data):
-        if not self._traced and hasattr(self._one_step, "get_concrete_function"):
-            # Creates the variables Keras makes lazily (optimizer slots,
-            # metrics) before the snapshot is taken, without running a step.
-            self._one_step.get_concrete_function(data)
-        self._traced = True
-        return self._one_step
-
-    def __call__(self, arg):
-        model = self.model
-        backoff = attached_backoff(model)
-        if backoff is None and model.micro_batch_size != "auto":
-            return self._keras_function(arg)
-        if self.kind == "predict" and not K.LEGACY:
-            # Keras 3 pulls the predict data itself: a list of batches.
-            outputs = [self._run(data, backoff) for data in arg]
-            if len(outputs) == 1:
-                return outputs[0]
-            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
-        outputs = None
-        for index in range(K.steps_per_execution(model)):
-            try:
-                data = next(arg)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                if index == 0:
-                    raise
-                break
-            outputs = self._run(data, backoff)
-        return outputs
-
-    def _run(self, data, backoff):
-        """Runs one step on `data`, backing off and retrying on out-of-memory."""
-        model = self.model
-        data = K.strip_optionals(data)
-        batch_size = batch_size_of(data)
-        search = None
-        if model.micro_batch_size == "auto":
-            search = AutoSearch(model, batch_size, backoff)
-        while True:
-            # A backoff rebuilds the model's step functions: use the newest.
-            current_function = getattr(model, f"{self.kind}_function", None)
-            if not isinstance(current_function, GuardedFunction):
-                current_function = self
-            one_step = current_function._traced_step(data)
-            taken = self._snapshot.take()
-            started = time.perf_counter()
-            try:
-                outputs = one_step(data)
-                break
-            except tf.errors.OpError as error:
-                if not is_oom(error):
-                    raise
-                failed = error
-            failed_seconds = time.perf_counter() - started
-            recovery = time.perf_counter()
-            self._snapshot.restore(taken)
-            del taken
-            current = micro_batch_in_use(model, batch_size)
-            if search is not None:
-                new = search.shrink(current, failed, failed_seconds)
-            elif backoff is None:
-                raise failed
-            else:
-                new = backoff._shrink(model, self.kind, current, failed)
-            model.micro_batch_size = new  # rebuilds this function's step
-            event = dict(
-                kind=self.kind,
-                failed_micro_batch_size=current,
-                micro_batch_size=new,
-                failed_step_seconds=failed_seconds,
-                recovery_seconds=time.perf_counter() - recovery,
-            )
-            if backoff is not None:
-                backoff.backoffs.append(event)
-            del failed
-        if search is not None:
-            search.finish(micro_batch_in_use(model, batch_size))
-        if self.kind == "train" and backoff is not None and isinstance(outputs, dict):
-            outputs = dict(outputs)
-            outputs["micro_batch_size"] = micro_batch_in_use(model, batch_size)
-        return outputs
+    def record(self, event):
+        if self.on_backoff is not None:
+            self.on_backoff(event)
 
 
 class AutoSearch:
     """`micro_batch_size="auto"`: the largest micro-batch that runs, by trying.
 
-    Starts with the whole batch as one micro-batch and shrinks it (by the
-    attached `OOMBackoff`'s factor, else by half) after each out-of-memory
-    error; the failed attempts are rolled back, and the first attempt that
-    runs is the real step.
+    Starts with the whole batch as one micro-batch and shrinks it by the
+    policy after each out-of-memory error; the failed attempts are rolled
+    back, and the first attempt that runs is the real step.
     """
 
-    def __init__(self, model, batch_size, backoff):
+    def __init__(self, model, batch_size):
         self.model = model
-        self.backoff = backoff
-        self.factor = backoff.factor if backoff is not None else 0.5
-        self.minimum = backoff.min_micro_batch_size if backoff is not None else 1
         self.started = time.perf_counter()
         self.trials = []
-        model.micro_batch_size = batch_size or 1
+        self.initial = batch_size or 1
 
-    def shrink(self, current, error, seconds):
-        self.trials.append((current, seconds))
-        if current <= self.minimum:
-            raise tf.errors.ResourceExhaustedError(
-                None, None, oom_report(error, current, self.minimum)
-            ) from error
-        return max(self.minimum, min(current - 1, int(current * self.factor)))
+    def failed(self, size, seconds):
+        self.trials.append((size, seconds))
 
-    def finish(self, chosen):
+    def report(self, chosen) -> dict:
         seconds = time.perf_counter() - self.started
         failed = ", ".join(str(size) for size, _ in self.trials) or "none"
-        report = dict(
-            micro_batch_size=chosen,
-            out_of_memory_trials=[size for size, _ in self.trials],
-            seconds=seconds,
-        )
-        # A plain dict: Keras would otherwise track (and wrap) it as model state.
-        object.__setattr__(self.model, "micro_batch_search", report)
         print(
             f'micro_batch_size="auto": chose micro_batch_size={chosen} '
             f"(out of memory at: {failed}; search took {seconds:.1f} s, "
             f"{sum(s for _, s in self.trials):.1f} s of it in failed attempts)"
         )
-
-
-def make_function(model, kind, make_keras_function, force=False):
-    """What `model.make_<kind>_function` returns: a `GuardedFunction`.
-
-    Step functions are kept per micro-batch setting, so that returning to a
-    setting (a backoff after the micro-batch was raised again, say) reuses the
-    traced function: each retrace costs TensorFlow host and device memory that
-    it does not give back. Keras resetting the functions (`compile`, a new
-    `remat`) empties the cache.
-    """
-    attr = f"{kind}_function"
-    current = getattr(model, attr, None)
-    if current is not None and not force:
-        return current
-    cache = model.__dict__.setdefault("_oom_functions", {})
-    if not force:
-        cache.clear()
-    key = (
-        kind,
-        model._micro_batch_size,
-        model._accumulation_steps,
-        model._micro_batch_jit_compile,
-    )
-    guarded = cache.get(key)
-    if guarded is None:
-        guarded = GuardedFunction(model, kind, make_keras_function)
-        guarded._build()
-        cache[key] = guarded
-    setattr(model, attr, guarded)
-    return guarded
+        return dict(
+            micro_batch_size=chosen,
+            out_of_memory_trials=[size for size, _ in self.trials],
+            seconds=seconds,
+        )

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _oom
-from keras_memopt import pruning as _pruning
+from keras_memopt import _loop, _losses, _runner
 from keras_memopt import remat as _remat
 from keras_memopt._validation import positive_int
 
 keras = K.keras
 
 _SPLIT_ARGS = ("micro_batch_size", "accumulation_steps")
+_WARNED_CUSTOM_STEPS: set[type] = set()
 
 
 def _validate_split(micro_batch_size, accumulation_steps):
@@ -24,31 +26,13 @@ def _validate_split(micro_batch_size, accumulation_steps):
             f"micro_batch_size={micro_batch_size!r}, "
             f"accumulation_steps={accumulation_steps!r}"
         )
-    if micro_batch_size == "auto":  # resolved by `_oom.AutoSearch` at the first step
+    if micro_batch_size == "auto":  # resolved by the step runner at the first step
         return "auto", None
     if micro_batch_size is not None:
         return positive_int("micro_batch_size", micro_batch_size), None
     if accumulation_steps is None:
-        return None, 1
+        return None, None
     return None, positive_int("accumulation_steps", accumulation_steps)
-
-
-def _check_splittable(data):
-    for leaf in tf.nest.flatten(data):
-        if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
-            raise TypeError(
-                "AccumulatingModel splits each batch into micro-batches along "
-                "its first axis, which it cannot do for ragged or sparse "
-                "tensors. Convert them to dense tensors (for example with "
-                "`.to_tensor()` or `tf.sparse.to_dense`) in the input "
-                f"pipeline. Received: a batch containing {type(leaf).__name__}"
-            )
-
-
-def _slice(structure, start, size):
-    return tf.nest.map_structure(
-        lambda t: None if t is None else t[start : start + size], structure
-    )
 
 
 def _check_remat_target(remat, functional, model):
@@ -60,9 +44,25 @@ def _check_remat_target(remat, functional, model):
         )
 
 
-def _accumulator_dtype(variable):
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
+def _update_counters(model):
+    """`_loop.update_counters(model)`, refused under a distribution strategy.
+
+    Raises:
+        NotImplementedError: under a distribution strategy: the pruning
+            wrappers synchronise the replicas in every training call, which
+            TensorFlow does not allow inside the loop over micro-batches.
+    """
+    counters = _loop.update_counters(model)
+    if counters and tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        raise NotImplementedError(
+            "An AccumulatingModel with tfmot pruning wrappers cannot train "
+            "under a distribution strategy: the wrappers synchronise the "
+            "replicas (`merge_call`) in every training call, which TensorFlow "
+            "does not allow inside the loop over micro-batches. Train it "
+            "without a strategy, or prune a plain `keras.Model`. Received: "
+            f"strategy={type(tf.distribute.get_strategy()).__name__}"
+        )
+    return counters
 
 
 class AccumulatingModel(K.keras.Model):
@@ -71,11 +71,11 @@ class AccumulatingModel(K.keras.Model):
     The batch that the input pipeline delivers is the *effective* batch. The
     train step splits it along its first axis into micro-batches, runs them
     one after another (so only one micro-batch's activations are alive at a
-    time), sums their gradients weighted by each micro-batch's share of the
-    batch, and applies **one** optimizer update. The update equals the one
-    plain Keras computes on the whole batch: losses, metrics, sample and class
-    weights, regularisation losses, learning-rate schedules and
-    `optimizer.iterations` all see one update per batch. `evaluate` and
+    time), adds up their gradients, each micro-batch weighted by its share of
+    the batch's loss, and applies **one** optimizer update: the update plain
+    Keras computes on the whole batch. Losses, per-output losses and metrics,
+    sample and class weights, masks, regularisation, learning-rate schedules
+    and `optimizer.iterations` all see one update per batch. `evaluate` and
     `predict` split large batches the same way.
 
     Use it in one of three ways:
@@ -87,18 +87,31 @@ class AccumulatingModel(K.keras.Model):
 
     Notes on semantics:
 
-    - Losses must average over samples (Keras's default reduction,
-      `"sum_over_batch_size"`); other reductions are refused at `compile`.
+    - A micro-batch's share of the loss is its count over the batch's, as
+      Keras counts: samples, or, for an output with a mask
+      (`Embedding(mask_zero=True)`), unmasked elements (counted in a forward
+      pass over the batch before the loop, in inference mode). A term of
+      `model.losses` (`add_loss`) that sums over samples counts once per
+      micro-batch; one that averages counts with the micro-batch's share; a
+      term that does neither is refused at the first step, as are compiled
+      losses that do not average over samples (see the README).
+    - Sparse gradients (an `Embedding`'s) stay sparse: the optimizer gets one
+      `tf.IndexedSlices` with every micro-batch's rows, as from one tape over
+      the whole batch.
     - `BatchNormalization` normalises each micro-batch with that micro-batch's
       statistics and updates its moving statistics once per micro-batch, in
       order: exactly what plain Keras does when trained on the micro-batches
       one after another.
+    - The micro-batch size is run-time state of the step: changing it (by
+      hand, from a callback, by `OOMBackoff`) retraces nothing. Changing
+      `remat`, or compiling again, traces the step anew.
     - With `jit_compile=True` (or `"auto"` resolving to XLA, as on GPUs), the
       forward and backward pass of each micro-batch is compiled with XLA while
       the loop over micro-batches is not: compiling the whole step would let
       XLA keep every micro-batch's activations alive at once, which undoes the
-      memory saving. `model.jit_compile` then reads `False` and
-      `model.micro_batch_jit_compile` `True`.
+      memory saving. XLA compiles once per micro-batch shape (the last
+      micro-batch of a batch may be a second shape). `model.jit_compile` then
+      reads `False` and `model.micro_batch_jit_compile` `True`.
     - Under a `tf.distribute` strategy, `micro_batch_size` counts samples per
       replica (each replica splits its share of the batch).
     - Mixed precision: gradients are accumulated in float32; with a
@@ -130,6 +143,12 @@ class AccumulatingModel(K.keras.Model):
             recomputation).
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
+
+    Attributes:
+        oom_policy: the out-of-memory policy the step runner follows (a
+            `keras_memopt.callbacks.OOMBackoff` attaches one for the length of
+            `fit`, `evaluate` or `predict`), or None: an out-of-memory error
+            then stops training as it would in plain Keras.
 
     Example:
 
@@ -166,7 +185,7 @@ class AccumulatingModel(K.keras.Model):
     def __init__(
         self,
         *args,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
         **kwargs,
@@ -175,8 +194,16 @@ class AccumulatingModel(K.keras.Model):
         remat = _remat.validate_remat(remat)
         _check_remat_target(remat, K.is_functional_call(args, kwargs), self)
         super().__init__(*args, **kwargs)
-        self._micro_batch_size, self._accumulation_steps = split
+        # A plain holder: Keras must not track (nor save) the setting's variables.
+        self._setting = _loop.MicroBatchSetting(
+            tf.distribute.get_strategy().num_replicas_in_sync
+        )
+        self._micro_batch_size = self._accumulation_steps = None
+        self._set_split(*split)
         self._micro_batch_jit_compile = False
+        self._loss_split = _losses.LossSplit(self)
+        self._accumulating = False
+        self.oom_policy = None
         self._remat, self._remat_plan = None, None
         self._set_remat(remat)
 
@@ -185,7 +212,7 @@ class AccumulatingModel(K.keras.Model):
         cls,
         model: keras.Model,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
         name: str | None = None,
@@ -234,11 +261,12 @@ class AccumulatingModel(K.keras.Model):
     # -- the micro-batch setting ------------------------------------------------
 
     @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch, or None when `accumulation_steps` is set.
+    def micro_batch_size(self) -> int | str | None:
+        """Samples per micro-batch, `"auto"` before its search, or None.
 
-        Setting it (for example from a callback) takes effect at the next
-        step: the train, test and predict functions are rebuilt.
+        None when `accumulation_steps` is set, or when neither is (each batch
+        is one micro-batch). Setting it, also in the middle of `fit` (from a
+        callback), takes effect at the next step and retraces nothing.
         """
         return self._micro_batch_size
 
@@ -260,25 +288,31 @@ class AccumulatingModel(K.keras.Model):
         """Whether each micro-batch's step is compiled with XLA."""
         return self._micro_batch_jit_compile
 
+    @micro_batch_jit_compile.setter
+    def micro_batch_jit_compile(self, value: bool):
+        if bool(value) != self._micro_batch_jit_compile:
+            self._micro_batch_jit_compile = bool(value)
+            self._retrace()
+
     def _set_split(self, micro_batch_size=None, accumulation_steps=None):
         split = _validate_split(micro_batch_size, accumulation_steps)
-        if split != (self._micro_batch_size, self._accumulation_steps):
-            self._micro_batch_size, self._accumulation_steps = split
-            # Python numbers baked into traced step functions go stale; the
-            # ones already made are rebuilt now, since `fit` looks them up
-            # again at every step.
-            self._rebuild_step_functions()
+        self._micro_batch_size, self._accumulation_steps = split
+        size = split[0] if isinstance(split[0], int) else None
+        self._setting.assign(None if size is None else [size], split[1])
 
-    def _rebuild_step_functions(self):
+    def _retrace(self):
+        """Makes the step functions trace again at their next step."""
         for kind in ("train", "test", "predict"):
-            if getattr(self, f"{kind}_function", None) is not None:
-                getattr(self, f"make_{kind}_function")(force=True)
+            function = getattr(self, f"{kind}_function", None)
+            if isinstance(function, _runner.StepRunner):
+                function.reset()
 
     @property
     def remat(self) -> str | list[str] | None:
         """The recomputed segments: None, "auto" or the cut layers' names.
 
-        Setting it re-plans the segments and rebuilds the step functions.
+        Setting it re-plans the segments; the next training step runs with
+        them (the train step is traced again).
         """
         return self._remat if not isinstance(self._remat, tuple) else list(self._remat)
 
@@ -293,14 +327,7 @@ class AccumulatingModel(K.keras.Model):
         # Plain holders: Keras must not track the segments as sublayers.
         self._remat = remat if remat is None or isinstance(remat, str) else tuple(remat)
         self._remat_plan = plan
-        if getattr(self, "train_function", None) is not None:
-            self.make_train_function(force=True)
-
-    def _micro_size(self, batch_size):
-        if self._micro_batch_size is not None:
-            return tf.constant(self._micro_batch_size, batch_size.dtype)
-        steps = tf.constant(self._accumulation_steps, batch_size.dtype)
-        return tf.maximum((batch_size + steps - 1) // steps, 1)
+        self._retrace()
 
     # -- compile ------------------------------------------------------------------
 
@@ -319,6 +346,7 @@ class AccumulatingModel(K.keras.Model):
         super().compile(*args, **K.compile_kwargs(jit_compile), **kwargs)
         self._micro_batch_jit_compile = K.resolve_jit_compile(self, jit_compile)
         self._jit_compile_requested = jit_compile  # OOMBackoff treats "auto" apart
+        self._loss_split = _losses.LossSplit(self)
         if not K.LEGACY:
             self.jit_compile = False
 
@@ -329,16 +357,51 @@ class AccumulatingModel(K.keras.Model):
         if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
 
-    # -- the step functions: wrapped so that OOMBackoff can retry a batch ----------
+    # -- the step functions: one runner each --------------------------------------
+
+    def _make_runner(self, kind, force):
+        attribute = f"{kind}_function"
+        if getattr(self, attribute, None) is None or force:
+            first = self._loss_split.check if kind != "predict" else None
+            step = self._checked_train_step if kind == "train" else None
+            runner = _runner.StepRunner(
+                self, kind, step=step, first_batch=first, chose=self._record_search
+            )
+            setattr(self, attribute, runner)
+        return getattr(self, attribute)
 
     def make_train_function(self, force=False):
-        return _oom.make_function(self, "train", super().make_train_function, force)
+        return self._make_runner("train", force)
 
     def make_test_function(self, force=False):
-        return _oom.make_function(self, "test", super().make_test_function, force)
+        return self._make_runner("test", force)
 
     def make_predict_function(self, force=False):
-        return _oom.make_function(self, "predict", super().make_predict_function, force)
+        return self._make_runner("predict", force)
+
+    def _record_search(self, report):
+        # A plain dict: Keras would otherwise track (and wrap) it as model state.
+        object.__setattr__(self, "micro_batch_search", report)
+
+    def _checked_train_step(self, data):
+        """`train_step`, warning once when a custom one splits nothing."""
+        self._accumulating = False
+        outputs = self.train_step(data)
+        splits = self._micro_batch_size is not None or (self._accumulation_steps or 1) > 1
+        cls = type(self)
+        if not self._accumulating and splits and cls not in _WARNED_CUSTOM_STEPS:
+            _WARNED_CUSTOM_STEPS.add(cls)
+            warnings.warn(
+                f"{cls.__name__}.train_step runs the whole batch at once: it calls "
+                "neither `self.accumulate_gradients(...)` nor "
+                "`super().train_step(data)`, so the micro-batch setting "
+                f"(micro_batch_size={self._micro_batch_size!r}, accumulation_steps="
+                f"{self._accumulation_steps!r}) saves no memory. Compute the "
+                "gradients with `self.accumulate_gradients(loss_fn, data, "
+                "variables)`.",
+                stacklevel=2,
+            )
+        return outputs
 
     # -- the steps ----------------------------------------------------------------
 
@@ -351,8 +414,8 @@ class AccumulatingModel(K.keras.Model):
         """Builds a model that has not been called yet on a one-sample batch.
 
         Keras builds such (subclassed) models in their first traced step, but
-        TensorFlow cannot create variables inside the micro-batch loop, and
-        the loop needs the variables to size its accumulators.
+        TensorFlow cannot create variables inside the micro-batch function,
+        and the loop needs the variables to know its gradients.
         """
         if self.built:
             return
@@ -371,124 +434,162 @@ class AccumulatingModel(K.keras.Model):
         with tf.init_scope():
             self(tf.nest.map_structure(one_sample, x), training=False)
 
-    def _micro_gradients(self, x, y, sample_weight, fraction):
-        """Loss share and (loss-scaled) gradients of one micro-batch."""
-        with tf.GradientTape() as tape:
-            y_pred = self._forward(x, training=True)
-            loss = K.compute_loss(self, x, y, y_pred, sample_weight, training=True)
-            share = loss * tf.cast(fraction, loss.dtype)
-            scaled = K.scale_loss(self.optimizer, share)
-        gradients = tape.gradient(scaled, self.trainable_variables)
-        K.update_metrics(self, x, y, y_pred, sample_weight)
-        return share, gradients
-
-    def _loop(self, data, body, initial):
-        """Runs `body(x, y, sample_weight, fraction, *state)` per micro-batch.
-
-        Micro-batches run strictly one after another (`parallel_iterations=1`)
-        so that TensorFlow cannot keep two micro-batches' activations alive.
-        """
-        _check_splittable(data)
+    def _unpack(self, data):
+        _loop.check_splittable(data)
         x, y, sample_weight = K.unpack_x_y_sample_weight(data)
         self._build_before_loop(x)
-        leaves = [t for t in tf.nest.flatten(x) if t is not None]
-        batch_size = tf.shape(leaves[0])[0]
-        size = self._micro_size(batch_size)
-        count = (batch_size + size - 1) // size
+        return x, y, sample_weight
 
-        def step(i, *state):
-            start = i * size
-            fraction = tf.cast(tf.minimum(size, batch_size - start), tf.float32) / (
-                tf.cast(batch_size, tf.float32)
-            )
-            parts = (_slice(x, start, size), _slice(y, start, size))
-            parts += (_slice(sample_weight, start, size),)
-            return (i + 1, *body(*parts, fraction, *state))
+    def _valid_counts(self, x, size):
+        """Unmasked elements per output over the batch: a forward pass, inference mode."""
 
-        _, *state = tf.while_loop(
-            lambda i, *_: i < count,
-            step,
-            (tf.constant(0, batch_size.dtype), *initial),
-            parallel_iterations=1,
-        )
-        return batch_size, state
+        def count(micro_x):
+            return _losses.valid_counts(self._forward(micro_x, training=False))
+
+        return _loop.accumulate(count, x, size, jit_compile=self._micro_batch_jit_compile)
+
+    def _accumulate_losses(self, micro_step, data, batch_size, masked):
+        """Runs `micro_step((x, y, sample_weight), valid)` over the micro-batches; sums it.
+
+        `micro_step` appends to `masked` whether the outputs carry masks
+        (known when it is traced, before the loop is built).
+        """
+        size = self._setting.micro_batch_size(batch_size)
+        jit = self._micro_batch_jit_compile
+        no_counts = tf.zeros([0])  # `valid` when no output carries a mask
+        traced = _loop.micro_function(micro_step, data, no_counts, jit_compile=jit)
+        valid = self._valid_counts(data[0], size) if masked[-1] else no_counts
+        trackers = _losses.TrackerFix(self)
+        outputs = _loop.accumulate(micro_step, data, size, valid, traced=traced)
+        trackers.apply(K.static_batch_dim(data[0]))
+        return outputs
 
     def train_step(self, data):
-        _check_splittable(data)
-        self._build_before_loop(K.unpack_x_y_sample_weight(data)[0])
+        self._accumulating = True
+        x, y, sample_weight = self._unpack(data)
+        batch_size = _loop.batch_size_of(x)
         variables = self.trainable_variables
-        micro_gradients = self._micro_gradients
-        if self._micro_batch_jit_compile:
-            micro_gradients = tf.function(micro_gradients, jit_compile=True)
-        missing = set()  # variables the loss does not depend on
-        # Update counters that layers advance at each training call (tfmot's
-        # `pruning_step`) restart from the same value in every micro-batch, so
-        # they advance once per update.
-        counters = _pruning.step_counters(self)
-        starts = [c.read_value() for c in counters]
+        counters = _update_counters(self)
+        starts = [counter.read_value() for counter in counters]
+        masked = []
 
-        def body(x, y, sample_weight, fraction, loss, sums):
+        def micro_step(micro, valid):
+            micro_x, micro_y, micro_weight = micro
             restarts = [c.assign(s) for c, s in zip(counters, starts, strict=True)]
-            with tf.control_dependencies(restarts):
-                share, gradients = micro_gradients(x, y, sample_weight, fraction)
-            new_sums = []
-            for index, (total, gradient) in enumerate(zip(sums, gradients, strict=True)):
-                if gradient is None:
-                    missing.add(index)
-                    new_sums.append(total)
-                else:
-                    gradient = tf.convert_to_tensor(gradient)  # IndexedSlices
-                    new_sums.append(total + tf.cast(gradient, total.dtype))
-            return loss + tf.cast(share, tf.float32), new_sums
+            with tf.control_dependencies(restarts), tf.GradientTape() as tape:
+                y_pred = self._forward(micro_x, training=True)
+                masked.append(any(m is not None for m in _losses.output_masks(y_pred)))
+                loss = self._loss_split.micro_batch_loss(
+                    micro_x, micro_y, y_pred, micro_weight, batch_size, valid, training=True
+                )
+                scaled = K.scale_loss(self.optimizer, loss)
+            gradients = tape.gradient(scaled, variables)
+            K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
+            return tf.cast(loss, tf.float32), gradients
 
-        zeros = [tf.zeros(v.shape, _accumulator_dtype(v)) for v in variables]
-        batch_size, (loss, sums) = self._loop(data, body, (tf.constant(0.0), zeros))
+        loss, gradients = self._accumulate_losses(
+            micro_step, (x, y, sample_weight), batch_size, masked
+        )
         K.track_loss(self, loss, batch_size)
         if variables:
-            gradients = [
-                None if i in missing else tf.cast(g, v.dtype)
-                for i, (g, v) in enumerate(zip(sums, variables, strict=True))
-            ]
             K.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
 
     def test_step(self, data):
-        def body(x, y, sample_weight, fraction, loss):
-            y_pred = self._forward(x, training=False)
-            micro_loss = K.compute_loss(self, x, y, y_pred, sample_weight, training=False)
-            K.update_metrics(self, x, y, y_pred, sample_weight)
-            return (loss + tf.cast(micro_loss, tf.float32) * fraction,)
+        x, y, sample_weight = self._unpack(data)
+        batch_size = _loop.batch_size_of(x)
+        masked = []
 
-        batch_size, (loss,) = self._loop(data, body, (tf.constant(0.0),))
+        def micro_step(micro, valid):
+            micro_x, micro_y, micro_weight = micro
+            y_pred = self._forward(micro_x, training=False)
+            masked.append(any(m is not None for m in _losses.output_masks(y_pred)))
+            loss = self._loss_split.micro_batch_loss(
+                micro_x, micro_y, y_pred, micro_weight, batch_size, valid, training=False
+            )
+            K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
+            return tf.cast(loss, tf.float32)
+
+        loss = self._accumulate_losses(micro_step, (x, y, sample_weight), batch_size, masked)
         K.track_loss(self, loss, batch_size)
         return self.get_metrics_result()
 
     def predict_step(self, data):
         x, _, _ = K.unpack_x_y_sample_weight(data)
-        _check_splittable(x)
+        _loop.check_splittable(x)
         self._build_before_loop(x)
-        leaves = [t for t in tf.nest.flatten(x) if t is not None]
-        batch_size = tf.shape(leaves[0])[0]
-        size = self._micro_size(batch_size)
-        count = (batch_size + size - 1) // size
-        # The first micro-batch runs outside the loop to learn the outputs'
-        # structure and dtypes.
-        first = self._forward(_slice(x, 0, size), training=False)
-        flat = tf.nest.flatten(first)
-        arrays = [
-            tf.TensorArray(t.dtype, size=count, infer_shape=False).write(0, t)
-            for t in flat
-        ]
+        size = self._setting.micro_batch_size(_loop.batch_size_of(x))
+        return _loop.concatenate(lambda micro_x: self._forward(micro_x, training=False), x, size)
 
-        def step(i, arrays):
-            outputs = tf.nest.flatten(self._forward(_slice(x, i * size, size), training=False))
-            return i + 1, [a.write(i, t) for a, t in zip(arrays, outputs, strict=True)]
+    def accumulate_gradients(self, loss_fn, data, variables, optimizer=None):
+        """The batch's loss and gradients, computed micro-batch by micro-batch.
 
-        _, arrays = tf.while_loop(
-            lambda i, _: i < count, step, (tf.constant(1, batch_size.dtype), arrays),
-            parallel_iterations=1,
-        )
-        return tf.nest.pack_sequence_as(first, [a.concat() for a in arrays])
+        The building block of a custom `train_step`: it runs
+        `loss_fn(micro_batch)` over the micro-batches of `data` in the loop
+        `train_step` uses (one micro-batch's activations alive at a time),
+        weights each micro-batch's loss by its share of the batch (its number
+        of samples over the batch's), and returns the batch's loss and the
+        summed gradients for `variables`: what one `tf.GradientTape` over the
+        whole batch gives when `loss_fn` returns a mean over samples. Call it
+        as often as a step needs (a GAN's discriminator and generator).
+
+        Metrics that `loss_fn` updates see each micro-batch in turn, which is
+        the whole batch for metrics that accumulate over samples (`Mean`,
+        accuracy, AUC). With a loss-scale optimizer (`mixed_float16`), the
+        loss is scaled with `optimizer`'s scale: apply the gradients with that
+        optimizer, which unscales them (and skips a non-finite update).
+
+        Args:
+            loss_fn: a function of one micro-batch (a slice of `data`, same
+                structure) returning its mean loss, a scalar tensor.
+            data: the batch: a tensor or a nest (tuple, dict) of tensors
+                whose first axis is the batch.
+            variables: the variables to differentiate.
+            optimizer: the optimizer that will apply the gradients, for loss
+                scaling. Defaults to the model's.
+
+        Returns:
+            `(loss, gradients)`: the batch's loss (float32) and one gradient
+            per variable (None where the loss does not depend on it;
+            `tf.IndexedSlices` for an Embedding's table).
+
+        Example:
+
+        ```python
+        def train_step(self, data):
+            real, _ = data
+
+            def discriminator_loss(real):
+                fake = self.generator(tf.random.normal([tf.shape(real)[0], 64]))
+                ...
+                return loss
+
+            variables = self.discriminator.trainable_variables
+            loss, grads = self.accumulate_gradients(
+                discriminator_loss, real, variables, optimizer=self.d_optimizer
+            )
+            self.d_optimizer.apply(grads, variables)
+        ```
+        """
+        self._accumulating = True
+        _loop.check_splittable(data)
+        variables = list(variables)
+        optimizer = self.optimizer if optimizer is None else optimizer
+        batch_size = _loop.batch_size_of(data)
+
+        def micro_step(micro):
+            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
+                batch_size, tf.float32
+            )
+            with tf.GradientTape() as tape:
+                loss = loss_fn(micro)
+                loss = loss * tf.cast(share, loss.dtype)
+                scaled = K.scale_loss(optimizer, loss)
+            return tf.cast(loss, tf.float32), tape.gradient(scaled, variables)
+
+        size = self._setting.micro_batch_size(batch_size)
+        jit = self._micro_batch_jit_compile
+        return _loop.accumulate(micro_step, data, size, jit_compile=jit)
 
     # -- serialisation ---------------------------------------------------------------
 

@@ -33,9 +33,9 @@ exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from keras_memopt import _keras as K
+from keras_memopt import _loop
+from keras_memopt.models import AccumulatingModel
 
 __all__ = ["prune_low_magnitude", "strip_pruning"]
 
@@ -82,8 +82,6 @@ def _check_model(model, expected=None):
 def _rewrap(original, rebuilt):
     """`rebuilt` (tfmot's functional clone of `original`) as an
     `AccumulatingModel` with `original`'s settings; other models unchanged."""
-    from keras_memopt.models import AccumulatingModel
-
     if not isinstance(original, AccumulatingModel) or isinstance(rebuilt, AccumulatingModel):
         return rebuilt
     remat = original.remat
@@ -182,30 +180,9 @@ def strip_pruning(model):
 
 
 def step_counters(model):
-    """Variables that count optimizer updates but that layers advance at each
-    training call (tfmot pruning wrappers' `pruning_step`).
+    """The pruning wrappers' `pruning_step` variables of `model`.
 
-    `AccumulatingModel` runs every micro-batch of a step from the same counter
-    values, so that they advance once per update, not once per micro-batch.
-
-    Raises:
-        NotImplementedError: if called inside a step under a distribution
-            strategy: the pruning wrappers synchronise replicas in every
-            training call, which TensorFlow does not allow inside the loop
-            over micro-batches.
+    An `AccumulatingModel` runs every micro-batch of a step from the same
+    values of these, so they count optimizer updates, as in plain Keras.
     """
-    counters = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        counter = getattr(layer, "pruning_step", None)
-        if isinstance(counter, tf.Variable):
-            counters.append(counter)
-    if counters and tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-        raise NotImplementedError(
-            "An AccumulatingModel with tfmot pruning wrappers cannot train "
-            "under a distribution strategy: the wrappers synchronise the "
-            "replicas (`merge_call`) in every training call, which TensorFlow "
-            "does not allow inside the loop over micro-batches. Train it "
-            "without a strategy, or prune a plain `keras.Model`. Received: "
-            f"strategy={type(tf.distribute.get_strategy()).__name__}"
-        )
-    return counters
+    return _loop.update_counters(model)

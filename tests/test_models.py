@@ -11,8 +11,9 @@ from keras_memopt._keras import keras
 layers = keras.layers
 
 # float32 accumulation sums the same terms in another order than one large
-# batch does; after several updates the weights agree to about 1e-6.
-RTOL, ATOL = 1e-5, 1e-6
+# batch does; after several Adam updates (which divide by the root of tiny
+# second moments) the weights agree to about 1e-6, rarely 2e-6.
+RTOL, ATOL = 1e-5, 1e-5
 
 
 def _data(n=60, features=6, classes=3, seed=0):
@@ -542,18 +543,27 @@ class TestSaving:
         loaded.fit(x, y, **_fit_more)
         _assert_same_weights(model, loaded)
 
-    def test_changing_micro_batch_size_retraces(self):
+    def test_changing_micro_batch_size_retraces_nothing(self):
+        traces = []
+
+        class Counting(AccumulatingModel):
+            def train_step(self, data):
+                traces.append(1)  # runs once per trace, not per step
+                return super().train_step(data)
+
         x, y = _data(n=20)
-        model = _mlp(AccumulatingModel, micro_batch_size=7)
+        model = _mlp(Counting, micro_batch_size=7)
         _fit(model, x, y, 20, epochs=1)
+        traced = len(traces)  # TensorFlow traces twice where variables are made
         function = model.train_function
         model.micro_batch_size = 3
-        assert model.train_function is not function and model.micro_batch_size == 3
+        assert model.micro_batch_size == 3 and model.train_function is function
         reference = _mlp()
         _fit(reference, x, y, 20, epochs=1)
-        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
-        reference.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         _assert_same_weights(reference, model)
+        assert len(traces) == traced
 
 
 class _ForwardCounter(layers.Layer):

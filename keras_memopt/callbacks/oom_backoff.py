@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from keras_memopt import _oom
 from keras_memopt._keras import keras
 from keras_memopt._validation import positive_int
@@ -17,10 +15,13 @@ class OOMBackoff(keras.callbacks.Callback):
     device memory, everything the failed step may have changed (weights,
     BatchNormalization statistics, optimizer variables and iterations, metric
     state, random seed state) is put back as it was, `micro_batch_size` is
-    multiplied by `factor`, the step function is rebuilt, and the *same*
-    batch runs again. The effective batch (the batch the input pipeline
+    multiplied by `factor`, and the *same* batch runs again. The effective batch (the batch the input pipeline
     delivers) never changes, so neither does the result of training: no
     sample is lost or seen twice and `optimizer.iterations` counts updates.
+
+    The micro-batch size is run-time state of the step, so a retry traces
+    nothing: it costs the failed attempt (with TensorFlow's own wait before it
+    reports the error) and the rollback.
 
     When the micro-batch cannot shrink any further (it is already
     `min_micro_batch_size`), training stops with one
@@ -85,9 +86,10 @@ class OOMBackoff(keras.callbacks.Callback):
         self.min_micro_batch_size = min_micro_batch_size
         self.verbose = verbose
         self.backoffs: list[dict] = []
+        self.policy = _oom.BackoffPolicy(self.factor, min_micro_batch_size, self._report)
         self._depth = 0
 
-    # -- attaching to the model -------------------------------------------------------
+    # -- attaching the policy to the model -------------------------------------------
 
     def _attach(self):
         from keras_memopt.models import AccumulatingModel
@@ -106,9 +108,7 @@ class OOMBackoff(keras.callbacks.Callback):
         if model.micro_batch_jit_compile:
             self._leave_xla(model)
         if self._depth == 0:
-            backoffs = model.__dict__.setdefault("_oom_backoffs", [])
-            if self not in backoffs:
-                backoffs.append(self)
+            model.oom_policy = self.policy
         self._depth += 1
 
     def _leave_xla(self, model):
@@ -124,8 +124,7 @@ class OOMBackoff(keras.callbacks.Callback):
                 "OOMBackoff (`model.compile(..., jit_compile=False)`), or keep "
                 "XLA and drop OOMBackoff. Received: jit_compile=True"
             )
-        model._micro_batch_jit_compile = False
-        model._rebuild_step_functions()
+        model.micro_batch_jit_compile = False
         if self.verbose:
             print(
                 "OOMBackoff: running micro-batches without XLA (jit_compile="
@@ -136,9 +135,8 @@ class OOMBackoff(keras.callbacks.Callback):
     def _detach(self):
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self.model is not None:
-            backoffs = self.model.__dict__.get("_oom_backoffs", [])
-            if self in backoffs:
-                backoffs.remove(self)
+            if getattr(self.model, "oom_policy", None) is self.policy:
+                self.model.oom_policy = None
 
     def on_train_begin(self, logs=None):
         self.backoffs = []
@@ -160,30 +158,14 @@ class OOMBackoff(keras.callbacks.Callback):
     def on_predict_end(self, logs=None):
         self._detach()
 
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and "micro_batch_size" not in logs:
-            size = self.model.micro_batch_size
-            if isinstance(size, int):
-                logs["micro_batch_size"] = size
+    # -- reporting (the policy calls it at each backoff) -----------------------------
 
-    # -- backing off (called by the model's step function) ---------------------------
-
-    def _shrink(self, model, kind, current, error):
-        """The next micro-batch size after `error`, or the final report."""
-        minimum = self.min_micro_batch_size
-        if current is None or current <= minimum:
-            self._depth = 0
-            model.__dict__.get("_oom_backoffs", []).clear()
-            raise tf.errors.ResourceExhaustedError(
-                None, None, _oom.oom_report(error, current, minimum)
-            ) from error
-        new = max(minimum, min(current - 1, int(current * self.factor)))
+    def _report(self, event):
+        self.backoffs.append(event)
         if self.verbose:
-            info = _oom.parse_oom(str(error))
-            where = f" ({_oom.describe_allocation(info)})" if any(info.values()) else ""
             print(
-                f"OOMBackoff: out of memory in a {kind} step at "
-                f"micro_batch_size={current}{where}; retrying the same batch "
-                f"with micro_batch_size={new}."
+                f"OOMBackoff: out of memory in a {event['kind']} step at "
+                f"micro_batch_size={event['failed_micro_batch_size']}"
+                f"{event['allocation']}; retrying the same batch "
+                f"with micro_batch_size={event['micro_batch_size']}."
             )
-        return new

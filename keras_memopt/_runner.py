@@ -1,0 +1,166 @@
+"""The step runner: `model.<kind>_function` of an `AccumulatingModel`.
+
+Keras's `fit`, `evaluate` and `predict` call `model.train_function(iterator)`
+(and the test and predict ones) once per step. For an `AccumulatingModel`
+that function is a `StepRunner`: it pulls the batch from the iterator itself,
+runs one step on it, and, when an out-of-memory policy is attached
+(`OOMBackoff`, or `micro_batch_size="auto"`), takes a snapshot of the state
+first and, on an out-of-memory error, puts it back, sets the micro-batch
+size the policy says, and runs the *same* batch again. The iterator never
+advances for a failed attempt, so no sample is lost or seen twice.
+
+The micro-batch size is run-time state that the step reads, so a new size
+needs no new trace: the retry runs the same step function.
+"""
+
+from __future__ import annotations
+
+import time
+
+import tensorflow as tf
+
+from keras_memopt import _keras as K
+from keras_memopt import _loop, _oom
+
+
+def batch_size_of(data):
+    """The number of samples per replica in a batch of data, if known here."""
+    for leaf in tf.nest.flatten(data, expand_composites=False):
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            leaf = leaf.values[0]
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) and shape[0] is not None:
+            return int(shape[0])
+    return None
+
+
+def _spec_key(value):
+    if value is None:
+        return None
+    if isinstance(value, tf.TypeSpec):
+        return value
+    return tf.type_spec_from_value(value)
+
+
+class StepRunner:
+    """`model.<kind>_function`: one step per batch, retried on out-of-memory.
+
+    Args:
+        model: the `AccumulatingModel`.
+        kind: "train", "test" or "predict".
+        step: the step to run on one replica's batch. Defaults to the model's
+            `<kind>_step`.
+        first_batch: called with the first batch before its step (once per
+            runner), or None.
+        chose: called with the `micro_batch_size="auto"` search's report.
+    """
+
+    def __init__(self, model, kind, step=None, first_batch=None, chose=None):
+        self.model = model
+        self.kind = kind
+        self._replica_step = step
+        self._first_batch = first_batch
+        self._chose = chose
+        self._one_step = None
+        self._concrete = {}
+        self._snapshot = _oom.Snapshot(model)
+
+    def reset(self):
+        """Forgets the traced step: the next step traces it again."""
+        self._one_step = None
+        self._concrete = {}
+
+    def __call__(self, arg):
+        # Traced for what the iterator yields (its batch axis unknown where the
+        # data's is), as Keras's own step functions are: layers and losses see
+        # the same static shapes as in plain Keras.
+        spec = getattr(arg, "element_spec", None)
+        if self.kind == "predict" and not K.LEGACY:
+            # Keras 3 pulls the predict data itself: a list of batches.
+            outputs = [self.run(data) for data in arg]
+            if len(outputs) == 1:
+                return outputs[0]
+            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
+        outputs = None
+        for index in range(K.steps_per_execution(self.model)):
+            try:
+                data = next(arg)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if index == 0:
+                    raise
+                break
+            outputs = self.run(data, spec)
+        return outputs
+
+    def _step(self, data, spec=None):
+        """The step function for `data` (traced for `spec` when given)."""
+        if self._one_step is None:
+            self._one_step = K.one_step_function(self.model, self.kind, self._replica_step)
+        if not hasattr(self._one_step, "get_concrete_function"):
+            return self._one_step  # run eagerly
+        spec = K.strip_optionals(spec) if spec is not None else data
+        key = repr(tf.nest.map_structure(_spec_key, spec))
+        if key not in self._concrete:
+            # Tracing creates the variables Keras makes lazily (optimizer
+            # slots, metrics) before a snapshot is taken.
+            self._concrete[key] = self._one_step.get_concrete_function(spec)
+        return self._concrete[key]
+
+    def _in_use(self, data):
+        model = self.model
+        return _loop.micro_batch_in_use(
+            model.micro_batch_size, model.accumulation_steps, batch_size_of(data)
+        )
+
+    def run(self, data, spec=None):
+        """Runs one step on `data`; backs off and retries on out-of-memory."""
+        data = K.strip_optionals(data)
+        if self._first_batch is not None:
+            first, self._first_batch = self._first_batch, None
+            first(data)
+        model = self.model
+        policy = model.oom_policy
+        search = None
+        if model.micro_batch_size == "auto":
+            search = _oom.AutoSearch(model, batch_size_of(data))
+            model.micro_batch_size = search.initial
+            policy = policy or _oom.BackoffPolicy()
+        if policy is None:
+            return self._step(data, spec)(data)
+        while True:
+            step = self._step(data, spec)
+            taken = self._snapshot.take()
+            started = time.perf_counter()
+            try:
+                outputs = step(data)
+                break
+            except tf.errors.OpError as error:
+                if not _oom.is_oom(error):
+                    raise
+                failed = error
+            failed_seconds = time.perf_counter() - started
+            recovery = time.perf_counter()
+            self._snapshot.restore(taken)
+            del taken
+            current = self._in_use(data)
+            if search is not None:
+                search.failed(current, failed_seconds)
+            model.micro_batch_size = policy.next_size(current, failed)
+            policy.record(
+                dict(
+                    kind=self.kind,
+                    allocation=_oom.allocation_note(failed),
+                    failed_micro_batch_size=current,
+                    micro_batch_size=model.micro_batch_size,
+                    failed_step_seconds=failed_seconds,
+                    recovery_seconds=time.perf_counter() - recovery,
+                )
+            )
+            del failed
+        if search is not None and self._chose is not None:
+            self._chose(search.report(self._in_use(data)))
+        if self.kind == "train" and isinstance(outputs, dict):
+            # Into the step's logs, so that every callback sees it, whatever
+            # its place in the list.
+            outputs = {**outputs, "micro_batch_size": self._in_use(data)}
+        return outputs

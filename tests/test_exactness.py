@@ -1,0 +1,332 @@
+"""AccumulatingModel against plain Keras on the model families people train.
+
+Each case trains a plain `keras.Model` and an `AccumulatingModel` from the same
+initial weights on the same batches (the last micro-batch of each batch and the
+last batch of each epoch uneven), then compares the weights, every figure `fit`
+logged (losses, per-output losses, metrics) and every figure `evaluate`
+returns. The oracle is plain Keras's own run at the whole batch.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+layers = keras.layers
+
+# float32 sums of the same terms in another order; Adam divides by the root
+# of small second moments, which brings the weights to about 1e-6 apart.
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+VOCAB, LENGTH = 40, 12
+
+
+def _reduce_sum(x):
+    return tf.reduce_sum(x)
+
+
+class Positions(layers.Layer):
+    """A learned position embedding added to a sequence; keeps its mask."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        self.table = self.add_weight(
+            name="table", shape=tuple(input_shape[1:]), initializer="glorot_uniform"
+        )
+
+    def call(self, inputs):
+        return inputs + self.table
+
+
+class SumRegularizer(layers.Layer):
+    """keras.io's "add_loss" example: a term that sums over the batch."""
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * _reduce_sum(inputs))
+        return inputs
+
+
+def _tokens(rng, n, length=LENGTH, min_length=2):
+    """Token ids padded with zeros to `length`, of varied lengths."""
+    ids = rng.randint(1, VOCAB, size=(n, length))
+    lengths = rng.randint(min_length, length + 1, size=n)
+    ids[np.arange(length)[None, :] >= lengths[:, None]] = 0
+    return ids.astype("int32")
+
+
+# -- model families ------------------------------------------------------------------
+
+
+def mlp(cls, regularized=True, **kwargs):
+    reg = keras.regularizers.L2(1e-2) if regularized else None
+    inputs = keras.Input((6,))
+    hidden = layers.Dense(16, activation="tanh", kernel_regularizer=reg, activity_regularizer=reg)(
+        inputs
+    )
+    return cls(inputs, layers.Dense(3)(hidden), **kwargs)
+
+
+def mlp_data(rng, n=40):
+    return rng.normal(size=(n, 6)).astype("float32"), rng.randint(0, 3, n)
+
+
+def text_classifier(cls, **kwargs):
+    """Embedding with a padding mask, position embedding, attention, masked pooling."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = layers.Embedding(VOCAB, 16, mask_zero=True)(tokens)
+    x = Positions()(x)
+    x = layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    x = layers.GlobalAveragePooling1D()(x)
+    return cls(tokens, layers.Dense(3)(x), **kwargs)
+
+
+def text_data(rng, n=40):
+    return _tokens(rng, n), rng.randint(0, 3, n)
+
+
+def tagger(cls, **kwargs):
+    """A sequence tagger: a per-token loss averaged over the unmasked tokens."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+    x = layers.Bidirectional(layers.LSTM(8, return_sequences=True))(x)
+    return cls(tokens, layers.Dense(5)(x), **kwargs)
+
+
+def tagger_data(rng, n=40):
+    return _tokens(rng, n), rng.randint(0, 5, size=(n, LENGTH))
+
+
+def ticket_model(cls, **kwargs):
+    """keras.io's functional API example: three inputs, two heads."""
+    title = keras.Input((8,), dtype="int32", name="title")
+    body = keras.Input((LENGTH,), dtype="int32", name="body")
+    tags = keras.Input((5,), name="tags")
+    words = layers.Embedding(VOCAB, 8)
+    features = layers.Concatenate()(
+        [layers.LSTM(8)(words(title)), layers.LSTM(8)(words(body)), tags]
+    )
+    priority = layers.Dense(1, name="priority")(features)
+    department = layers.Dense(4, name="department")(features)
+    return cls(
+        {"title": title, "body": body, "tags": tags},
+        {"priority": priority, "department": department},
+        **kwargs,
+    )
+
+
+def ticket_data(rng, n=40):
+    x = {
+        "title": rng.randint(0, VOCAB, size=(n, 8)).astype("int32"),
+        "body": rng.randint(0, VOCAB, size=(n, LENGTH)).astype("int32"),
+        "tags": rng.randint(0, 2, size=(n, 5)).astype("float32"),
+    }
+    y = {
+        "priority": rng.randint(0, 2, size=(n, 1)).astype("float32"),
+        "department": np.eye(4, dtype="float32")[rng.randint(0, 4, n)],
+    }
+    return x, y
+
+
+def ticket_compile():
+    return dict(
+        loss={
+            "priority": keras.losses.BinaryCrossentropy(from_logits=True),
+            "department": keras.losses.CategoricalCrossentropy(from_logits=True),
+        },
+        loss_weights={"priority": 1.0, "department": 0.2},
+        metrics={"priority": ["mae"], "department": ["accuracy"]},
+    )
+
+
+def recommender(cls, **kwargs):
+    """User and item embeddings (sparse gradients) and their dot product."""
+    user = keras.Input((1,), dtype="int32", name="user")
+    item = keras.Input((1,), dtype="int32", name="item")
+    u = layers.Flatten()(layers.Embedding(500, 8)(user))
+    v = layers.Flatten()(layers.Embedding(300, 8)(item))
+    return cls({"user": user, "item": item}, layers.Dot(axes=1)([u, v]), **kwargs)
+
+
+def recommender_data(rng, n=40):
+    # Few users and items, so each batch repeats some rows of the tables.
+    x = {
+        "user": rng.randint(0, 12, size=(n, 1)).astype("int32"),
+        "item": rng.randint(0, 9, size=(n, 1)).astype("int32"),
+    }
+    return x, rng.randint(0, 2, size=(n, 1)).astype("float32")
+
+
+def cnn(cls, **kwargs):
+    images = keras.Input((8, 8, 3))
+    x = layers.Conv2D(4, 3, activation="relu")(images)
+    x = layers.MaxPooling2D()(x)
+    x = layers.Conv2D(8, 2, activation="relu")(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return cls(images, layers.Dense(3)(x), **kwargs)
+
+
+def cnn_data(rng, n=40):
+    return rng.uniform(size=(n, 8, 8, 3)).astype("float32"), rng.randint(0, 3, n)
+
+
+def summed_add_loss(cls, **kwargs):
+    inputs = keras.Input((6,))
+    hidden = SumRegularizer()(layers.Dense(8, activation="tanh")(inputs))
+    return cls(inputs, layers.Dense(3)(hidden), **kwargs)
+
+
+def sparse_ce():
+    return dict(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
+
+
+@dataclasses.dataclass
+class Case:
+    build: Callable
+    data: Callable
+    optimizer: Callable
+    compile: Callable = sparse_ce
+    micro: dict = dataclasses.field(default_factory=lambda: dict(micro_batch_size=6))
+    fit: dict = dataclasses.field(default_factory=dict)
+    batch_size: int = 16  # 40 samples: batches of 16, 16, 8; micro-batches 6, 6, 4
+
+
+CASES = {
+    "mlp-sgd-momentum": Case(mlp, mlp_data, lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+    "mlp-adam": Case(mlp, mlp_data, lambda: keras.optimizers.Adam(0.01)),
+    "mlp-adamw-accumulation-steps": Case(
+        mlp, mlp_data, lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+        micro=dict(accumulation_steps=3),
+    ),
+    "mlp-schedule": Case(
+        mlp, mlp_data,
+        lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5)
+        ),
+    ),
+    "mlp-strong-regularisation": Case(
+        mlp, lambda rng: mlp_data(rng, 20), lambda: keras.optimizers.SGD(0.5), batch_size=20,
+        micro=dict(micro_batch_size=4),
+    ),
+    "mlp-sample-weight": Case(
+        mlp, mlp_data, lambda: keras.optimizers.Adam(0.01),
+        fit=dict(sample_weight=np.random.RandomState(3).uniform(0.1, 2.0, 40).astype("float32")),
+    ),
+    "text-classifier-adam": Case(text_classifier, text_data, lambda: keras.optimizers.Adam(0.01)),
+    "tagger-sgd": Case(tagger, tagger_data, lambda: keras.optimizers.SGD(0.5)),
+    "tagger-adam": Case(tagger, tagger_data, lambda: keras.optimizers.Adam(0.01)),
+    "tickets-rmsprop": Case(
+        ticket_model, ticket_data, lambda: keras.optimizers.RMSprop(0.01), compile=ticket_compile,
+        micro=dict(micro_batch_size=5),
+    ),
+    "recommender-adam": Case(
+        recommender, recommender_data, lambda: keras.optimizers.Adam(0.05),
+        compile=lambda: dict(loss=keras.losses.BinaryCrossentropy(from_logits=True)),
+    ),
+    "recommender-adagrad": Case(
+        recommender, recommender_data, lambda: keras.optimizers.Adagrad(0.5),
+        compile=lambda: dict(loss=keras.losses.BinaryCrossentropy(from_logits=True)),
+    ),
+    "cnn-class-weight": Case(
+        cnn, cnn_data, lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        fit=dict(class_weight={0: 0.5, 1: 2.0, 2: 1.0}),
+    ),
+    "add-loss-summing-over-the-batch": Case(
+        summed_add_loss, mlp_data, lambda: keras.optimizers.Adam(0.01)
+    ),
+}
+
+
+def _build(case, cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    model = case.build(cls, **kwargs)
+    model.compile(optimizer=case.optimizer(), **case.compile())
+    return model
+
+
+def _train(case, cls, **kwargs):
+    """Fits one model as the case says; returns it, its logs and its evaluation."""
+    x, y = case.data(np.random.RandomState(0))
+    model = _build(case, cls, **kwargs)
+    history = model.fit(
+        x, y, batch_size=case.batch_size, epochs=2, shuffle=False, verbose=0, **case.fit
+    )
+    evaluation = model.evaluate(x, y, batch_size=case.batch_size, verbose=0, return_dict=True)
+    return model, history.history, evaluation
+
+
+def assert_same_training(expected, received):
+    """Weights, logs and evaluation of two `_train` results agree."""
+    (plain, plain_logs, plain_eval), (model, logs, evaluation) = expected, received
+    weights = plain.get_weights()
+    assert len(weights) == len(model.get_weights())
+    for a, b in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_allclose(b, a, **TOLERANCE)
+    assert set(logs) == set(plain_logs)
+    for key in plain_logs:
+        np.testing.assert_allclose(logs[key], plain_logs[key], **TOLERANCE, err_msg=key)
+    assert set(evaluation) == set(plain_eval)
+    for key in plain_eval:
+        np.testing.assert_allclose(evaluation[key], plain_eval[key], **TOLERANCE, err_msg=key)
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_plain_keras(name):
+    case = CASES[name]
+    expected = _train(case, keras.Model)
+    received = _train(case, AccumulatingModel, **case.micro)
+    assert_same_training(expected, received)
+
+
+@pytest.mark.parametrize("name", ["tagger-adam", "tickets-rmsprop"])
+def test_matches_plain_keras_under_mirrored_strategy(name, mirrored_strategy):
+    case = CASES[name]
+    with mirrored_strategy.scope():
+        expected = _train(case, keras.Model)
+        received = _train(case, AccumulatingModel, **case.micro)
+    assert_same_training(expected, received)
+
+
+class TestWhatCannotBeSplit:
+    """Losses whose micro-batch pieces do not add up are refused before any update."""
+
+    def _refused(self, model, x, y, match):
+        weights = [w.copy() for w in model.get_weights()]
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        for a, b in zip(weights, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert int(model.optimizer.iterations) == 0
+
+    def test_function_loss_that_sums_over_the_batch(self):
+        def summed(y_true, y_pred):
+            return tf.reduce_sum(tf.square(y_true - y_pred))
+
+        x, y = mlp_data(np.random.RandomState(0))
+        keras.utils.set_random_seed(0)
+        model = mlp(AccumulatingModel, micro_batch_size=4)
+        model.compile("sgd", summed)
+        y = np.eye(3, dtype="float32")[y]
+        self._refused(model, x, y, r"average over the samples.*\(x2\) when every sample")
+
+    def test_add_loss_that_neither_sums_nor_averages(self):
+        class Squared(layers.Layer):
+            def call(self, inputs):
+                self.add_loss(tf.square(_reduce_sum(inputs)))
+                return inputs
+
+        x, y = mlp_data(np.random.RandomState(0))
+        inputs = keras.Input((6,))
+        model = AccumulatingModel(
+            inputs, layers.Dense(3)(Squared()(inputs)), micro_batch_size=4
+        )
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        self._refused(model, x, y, r"term 0 of `model.losses`.*x4")
