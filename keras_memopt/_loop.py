@@ -23,6 +23,8 @@ How the loop is built, and why:
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
@@ -139,7 +141,11 @@ def micro_function(fn, data, *args, jit_compile=False):
     arg_specs = [
         tf.TensorSpec([None] * a.shape.rank, a.dtype) if tf.is_tensor(a) else a for a in args
     ]
-    concrete = function.get_concrete_function(_spec(data), *arg_specs)
+    with warnings.catch_warnings():
+        # The loop traces `fn` again: Keras's warnings (an input structure
+        # that differs from the model's, say) are said there, once.
+        warnings.simplefilter("ignore")
+        concrete = function.get_concrete_function(_spec(data), *arg_specs)
     outputs = tf.nest.map_structure(
         lambda t: None if t is None else tf.type_spec_from_value(t),
         concrete.structured_outputs,
@@ -215,8 +221,8 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
 
     def body(index, states):
         outputs = tf.nest.flatten(function(micro_slice(data, index * size, size), *args))
-        new = [sums[i].add(state, index, outputs[i]) for i, state in zip(present, states)]
-        return index + 1, new
+        pairs = zip(present, states, strict=True)
+        return index + 1, [sums[i].add(state, index, outputs[i]) for i, state in pairs]
 
     _, states = tf.while_loop(
         lambda index, _: index < count,

@@ -29,6 +29,8 @@ the step weights their total by `n_i / N` instead.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -88,17 +90,10 @@ class LossSplit:
             return
         pair = _first_samples(x, 2), _first_samples(y, 2)
         twice = _repeat(pair[0]), _repeat(pair[1])
-        strategy = model.distribute_strategy
         metrics = list(model.metrics)
         saved = [[v.numpy() for v in m.variables] for m in metrics]
         try:
-            # In a replica's context, where Keras updates its loss trackers.
-            once, doubled = (
-                strategy.experimental_local_results(strategy.run(self._evaluate, args=a))[0]
-                .numpy()
-                .tolist()
-                for a in (pair, twice)
-            )
+            once, doubled = self._probe(pair), self._probe(twice)
         finally:
             for metric in model.metrics:  # the loss trackers may be new
                 metric.reset_state()
@@ -119,16 +114,24 @@ class LossSplit:
         kinds = [_kind(a, b) for a, b in zip(once[1:], doubled[1:], strict=True)]
         for index, kind in enumerate(kinds):
             if kind is None:
+                what = _what(once[1 + index], doubled[1 + index])
                 raise ValueError(
                     "AccumulatingModel cannot split a loss term over micro-batches "
-                    "exactly: term {index} of `model.losses` {what}, neither the "
+                    f"exactly: term {index} of `model.losses` {what}, neither the "
                     "same (a mean over samples) nor twice as large (a sum). Add it "
                     "as separate terms, one that sums over samples and one that "
-                    "does not. Received: model.losses[{index}]".format(
-                        index=index, what=_what(once[1 + index], doubled[1 + index])
-                    )
+                    f"does not. Received: model.losses[{index}]"
                 )
         self.terms = tuple(kinds)
+
+    def _probe(self, data):
+        """`_evaluate(*data)` in a replica's context (where Keras updates its
+        loss trackers), as a list; Keras's warnings come from the step, once."""
+        strategy = self.model.distribute_strategy
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            values = strategy.run(self._evaluate, args=data)
+        return strategy.experimental_local_results(values)[0].numpy().tolist()
 
     def _evaluate(self, x, y):
         """[compiled loss (NaN if none), each term of `model.losses`] on one batch."""
@@ -149,7 +152,7 @@ class LossSplit:
         elements per output (see `valid_counts`).
         """
         model = self.model
-        n = tf.cast(_loop.batch_size_of(x), tf.float32)
+        n = tf.cast(_loop.batch_size_of((x, y, sample_weight)), tf.float32)
         share = n / tf.cast(batch_size, tf.float32)
         if _overrides(model, "compute_loss") or not _has_compiled_loss(model):
             # A user's own loss: exact when it averages over samples.
@@ -224,7 +227,9 @@ class TrackerFix:
 
     def __init__(self, model):
         self.trackers = [] if K.LEGACY else K.output_loss_trackers(model)
-        self.before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers]
+        self.before = [
+            (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers
+        ]
 
     def apply(self, weight):
         for tracker, (total, count) in zip(self.trackers, self.before, strict=True):

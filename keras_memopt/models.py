@@ -178,7 +178,12 @@ class AccumulatingModel(K.keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if K.is_functional_call(args, kwargs) and not issubclass(cls, K.Functional):
+        # As in Keras: (inputs, outputs) make a functional model only when they
+        # reach this constructor; a subclass's own constructor may take two
+        # positional arguments of its own (`Distiller(teacher, student)`).
+        own_constructor = cls.__init__ is not AccumulatingModel.__init__
+        functional = issubclass(cls, K.Functional)
+        if not own_constructor and not functional and K.is_functional_call(args, kwargs):
             cls = _functional_class(cls)
         return super().__new__(cls, *args, **kwargs)
 
@@ -192,7 +197,13 @@ class AccumulatingModel(K.keras.Model):
     ):
         split = _validate_split(micro_batch_size, accumulation_steps)
         remat = _remat.validate_remat(remat)
-        _check_remat_target(remat, K.is_functional_call(args, kwargs), self)
+        functional = K.is_functional_call(args, kwargs)
+        _check_remat_target(remat, functional, self)
+        if functional and not isinstance(self, K.Functional):
+            # A subclass's constructor passing (inputs, outputs) on: become its
+            # functional form here, before Keras would rewrite the bases of
+            # every class up to `keras.Model` (AccumulatingModel's included).
+            object.__setattr__(self, "__class__", _functional_class(type(self)))
         super().__init__(*args, **kwargs)
         # A plain holder: Keras must not track (nor save) the setting's variables.
         self._setting = _loop.MicroBatchSetting(
@@ -350,9 +361,24 @@ class AccumulatingModel(K.keras.Model):
         if not K.LEGACY:
             self.jit_compile = False
 
+    def get_compile_config(self):
+        # Keras 3's `clone_model` rebuilds a functional model from its inputs
+        # and outputs and passes on only the compile config: the micro-batch
+        # setting travels with it.
+        config = super().get_compile_config()
+        if not config:  # not compiled
+            return config
+        return {**config, "micro_batch": self._setting_config()}
+
     def compile_from_config(self, config):
         # Keras skips an overridden `compile` when loading a model; this one
         # only adds checks, so a loaded model comes back compiled.
+        config = dict(config)
+        setting = dict(config.pop("micro_batch", None) or {})
+        if setting:
+            remat = setting.pop("remat", None)
+            self._set_split(**setting)
+            self._set_remat(remat)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
@@ -421,6 +447,8 @@ class AccumulatingModel(K.keras.Model):
             return
 
         def one_sample(t):
+            if t is None:
+                return None
             shape = [1, *t.shape[1:]]
             if None in shape:
                 raise ValueError(
@@ -467,7 +495,7 @@ class AccumulatingModel(K.keras.Model):
     def train_step(self, data):
         self._accumulating = True
         x, y, sample_weight = self._unpack(data)
-        batch_size = _loop.batch_size_of(x)
+        batch_size = _loop.batch_size_of((x, y, sample_weight))
         variables = self.trainable_variables
         counters = _update_counters(self)
         starts = [counter.read_value() for counter in counters]
@@ -497,7 +525,7 @@ class AccumulatingModel(K.keras.Model):
 
     def test_step(self, data):
         x, y, sample_weight = self._unpack(data)
-        batch_size = _loop.batch_size_of(x)
+        batch_size = _loop.batch_size_of((x, y, sample_weight))
         masked = []
 
         def micro_step(micro, valid):
@@ -518,6 +546,8 @@ class AccumulatingModel(K.keras.Model):
         x, _, _ = K.unpack_x_y_sample_weight(data)
         _loop.check_splittable(x)
         self._build_before_loop(x)
+        if not [t for t in tf.nest.flatten(x) if t is not None]:
+            return self._forward(x, training=False)  # Keras says what is missing
         size = self._setting.micro_batch_size(_loop.batch_size_of(x))
         return _loop.concatenate(lambda micro_x: self._forward(micro_x, training=False), x, size)
 
@@ -593,12 +623,25 @@ class AccumulatingModel(K.keras.Model):
 
     # -- serialisation ---------------------------------------------------------------
 
+    def _setting_config(self):
+        return dict(
+            micro_batch_size=self._micro_batch_size,
+            accumulation_steps=self._accumulation_steps,
+            remat=self.remat,
+        )
+
     def get_config(self):
-        config = K.functional_config(self, super().get_config())
-        config["micro_batch_size"] = self._micro_batch_size
-        config["accumulation_steps"] = self._accumulation_steps
-        config["remat"] = self.remat
-        return config
+        return {**K.functional_config(self, super().get_config()), **self._setting_config()}
+
+    def __reduce__(self):
+        # Keras 3 pickles a model as `type(model)._unpickle_model`, found by the
+        # class's name: the functional form is named after the class it
+        # extends, so it is pickled as that class (the method ignores `cls`).
+        function, args = super().__reduce__()
+        owner = getattr(function, "__self__", None)
+        if owner in _FUNCTIONAL_CLASSES.values():
+            function = getattr(owner.__bases__[0], function.__name__)
+        return function, args
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
 

@@ -15,8 +15,9 @@ class OOMBackoff(keras.callbacks.Callback):
     device memory, everything the failed step may have changed (weights,
     BatchNormalization statistics, optimizer variables and iterations, metric
     state, random seed state) is put back as it was, `micro_batch_size` is
-    multiplied by `factor`, and the *same* batch runs again. The effective batch (the batch the input pipeline
-    delivers) never changes, so neither does the result of training: no
+    multiplied by `factor`, and the *same* batch runs again. The effective
+    batch (the batch the input pipeline delivers) never changes, so neither
+    does the result of training: no
     sample is lost or seen twice and `optimizer.iterations` counts updates.
 
     The micro-batch size is run-time state of the step, so a retry traces

@@ -34,11 +34,11 @@ makes it an unexpected pass, which fails until it is taken off the list.
 `tests/test_fidelity.py` has a small test for each.
 
 Measured on Keras 3.15.1 / TensorFlow 2.21 CPU: 114 tests per stand-in; `Plain`
-passes all 114; AccumulatingModel passes 103 and fails the 11 in `KNOWN_GAPS`.
+passes all 114, and so does AccumulatingModel.
 The whole module costs about 160 s of CPU time (about 80 s per stand-in):
 under 3 minutes on 2 idle cores, 5.5 minutes measured on a shared machine
-with a load average of 6. Marked `slow`; it runs in CI. Skipped under tf_keras (`TF_USE_LEGACY_KERAS=1`): these are Keras 3's
-tests.
+with a load average of 6. Marked `slow`; it runs in CI. Skipped under tf_keras
+(`TF_USE_LEGACY_KERAS=1`): these are Keras 3's tests.
 
 Run it alone:
 
@@ -69,32 +69,9 @@ pytestmark = pytest.mark.slow
 MICRO_BATCH_SIZE = 1
 MODULES = (model_test, functional_test)
 
-_CONSTRUCTOR = (
-    "a subclass that passes (inputs, outputs) to `super().__init__` from a "
-    "constructor of its own reaches keras.Model.__init__, which makes it "
-    "functional by rewriting the class bases up to keras.Model, "
-    "AccumulatingModel's included (models.py `__new__`/`__init__`)"
-)
-_PICKLE = (
-    "pickle looks up `type(model)._unpickle_model` by the class's name, and "
-    "the functional form made by models.py `_functional_class` is named "
-    "AccumulatingModel but is not `keras_memopt.models.AccumulatingModel`"
-)
 # Test method (or parameterised family) -> why it fails for AccumulatingModel.
-KNOWN_GAPS = {
-    "ModelTest.test_functional_list_outputs_with_custom_compute_loss": _CONSTRUCTOR,
-    "ModelTest.test_functional_pickling": _PICKLE,
-    "FunctionalTest.test_required_none_raises_in_fit": (
-        "the micro-batch loop takes the batch size from the first input that "
-        "is not None (models.py `_loop`, `leaves[0]`): IndexError before the "
-        "model can raise its own error"
-    ),
-    "FunctionalTest.test_warning_for_mismatched_inputs_structure": (
-        "predict_step calls the model on the first micro-batch outside the "
-        "loop and again in the loop body (models.py `predict_step`), so the "
-        "warning comes twice"
-    ),
-}
+# Empty: every test that passes with `Plain` passes with AccumulatingModel.
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @keras.saving.register_keras_serializable(package="keras_suite")
