@@ -239,7 +239,7 @@ class MicroBatchSteps:
         self._accumulating = True
         _loop.check_splittable(data)
         variables = list(variables)
-        optimizer = self.optimizer if optimizer is None else optimizer
+        optimizer = getattr(self, "optimizer", None) if optimizer is None else optimizer
         batch_size = _loop.batch_size_of(data)
 
         def micro_step(micro):

@@ -365,7 +365,10 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
     def _make_runner(self, kind, force):
         attribute = f"{kind}_function"
         if getattr(self, attribute, None) is None or force:
-            first = self._loss_split.check if kind != "predict" else None
+            # The loss check is about the steps' own loss: not a custom step's.
+            step_name = f"{kind}_step"
+            own_step = getattr(type(self), step_name) is getattr(MicroBatchSteps, step_name)
+            first = self._loss_split.check if kind != "predict" and own_step else None
             step = self._checked_train_step if kind == "train" else None
             runner = _runner.StepRunner(
                 self, kind, step=step, first_batch=first, chose=self._record_search

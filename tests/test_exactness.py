@@ -239,6 +239,13 @@ CASES = {
         cnn, cnn_data, lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         fit=dict(class_weight={0: 0.5, 1: 2.0, 2: 1.0}),
     ),
+    "batch-smaller-than-the-micro-batch": Case(
+        mlp, mlp_data, lambda: keras.optimizers.Adam(0.01), micro=dict(micro_batch_size=64)
+    ),
+    "one-sample-micro-batches": Case(
+        mlp, lambda rng: mlp_data(rng, 16), lambda: keras.optimizers.SGD(1.0), batch_size=8,
+        micro=dict(micro_batch_size=1),
+    ),
     "add-loss-summing-over-the-batch": Case(
         summed_add_loss, mlp_data, lambda: keras.optimizers.Adam(0.01)
     ),

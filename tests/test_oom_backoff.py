@@ -329,6 +329,42 @@ class TestBackoff:
         expected = _fit(reference, x, y, validation_data=(x, y))
         np.testing.assert_allclose(history["val_loss"], expected["val_loss"], rtol=1e-6)
 
+    def test_custom_train_step_backs_off(self, fake_oom):
+        """A custom step built on `accumulate_gradients` is rolled back and retried too."""
+
+        class Custom(AccumulatingModel):
+            def train_step(self, data):
+                x, y = data
+
+                def loss_fn(micro):
+                    micro_x, micro_y = micro
+                    return self.compute_loss(y=micro_y, y_pred=self(micro_x, training=True))
+
+                variables = self.trainable_variables
+                loss, grads = self.accumulate_gradients(loss_fn, (x, y), variables)
+                self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+                return {"custom_loss": loss}
+
+        def build(size):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            hidden = _dropout(layers.Dense(16, activation="tanh")(inputs))
+            model = Custom(inputs, layers.Dense(3)(hidden), micro_batch_size=size)
+            model.compile(keras.optimizers.Adam(0.01), keras.losses.MeanSquaredError())
+            return model
+
+        x, y = _data()
+        y = np.eye(3, dtype="float32")[y]
+        fake_oom["size"] = 8
+        backoff = OOMBackoff(verbose=0)
+        model = build(32)
+        history = _fit(model, x, y, [backoff], epochs=2)
+        reference = build(8)
+        expected = _fit(reference, x, y, epochs=2)
+        assert [b["micro_batch_size"] for b in backoff.backoffs] == [16, 8]
+        _assert_same_weights(model, reference)
+        np.testing.assert_allclose(history["custom_loss"], expected["custom_loss"], rtol=1e-6)
+
     def test_steps_per_execution(self, fake_oom):
         x, y = _data()
         fake_oom["size"] = 16

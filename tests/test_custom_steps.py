@@ -1,0 +1,313 @@
+"""Accumulation inside custom train steps: `accumulate_gradients`, and the warning.
+
+Each custom step (keras.io's GAN and knowledge-distillation examples) is written
+twice: once as a plain `keras.Model` step on the whole batch (the oracle), once
+as an `AccumulatingModel` step that computes its gradients with
+`accumulate_gradients`. The randomness the examples draw inside the step comes
+with the data instead, so both see the same numbers.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import LEGACY
+
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+layers = keras.layers
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+LATENT = 4
+
+
+def _mlp(units, out, name):
+    return keras.Sequential(
+        [keras.Input((units,)), layers.Dense(8), layers.LeakyReLU(0.2), layers.Dense(out)],
+        name=name,
+    )
+
+
+def _gan_data(n=40, seed=0):
+    rng = np.random.RandomState(seed)
+    real = rng.normal(2.0, 1.0, size=(n, 6)).astype("float32")
+    latent_d = rng.normal(size=(n, LATENT)).astype("float32")
+    latent_g = rng.normal(size=(n, LATENT)).astype("float32")
+    label_noise = (0.05 * rng.uniform(size=(2 * n, 1))).astype("float32")
+    # The noise on the labels of the fake and the real half of each sample.
+    noise = np.concatenate([label_noise[:n], label_noise[n:]], axis=1)
+    return real, latent_d, latent_g, noise
+
+
+class PlainGAN(keras.Model):
+    """keras.io's GAN step, on the whole batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = _mlp(LATENT, 6, "generator")
+        self.discriminator = _mlp(6, 1, "discriminator")
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        # Built here, not in the first step: under a distribution strategy
+        # optimizer variables cannot be made inside a replica's step.
+        d_optimizer.build(self.discriminator.trainable_variables)
+        g_optimizer.build(self.generator.trainable_variables)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def call(self, data):
+        return self.discriminator(self.generator(data["latent_g"]))
+
+    def discriminator_loss(self, data):
+        real, latent, noise = data["real"], data["latent_d"], data["noise"]
+        fake = self.generator(latent)
+        predictions = self.discriminator(tf.concat([fake, real], axis=0))
+        labels = tf.concat(
+            [tf.ones_like(noise[:, :1]) + noise[:, :1], tf.zeros_like(noise[:, 1:]) + noise[:, 1:]],
+            axis=0,
+        )
+        return self.loss_fn(labels, predictions)
+
+    def generator_loss(self, data):
+        latent, noise = data["latent_g"], data["noise"]
+        predictions = self.discriminator(self.generator(latent))
+        return self.loss_fn(tf.zeros_like(noise[:, :1]), predictions)
+
+    def gradients(self, loss_fn, data, variables, optimizer):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(data)
+        return loss, tape.gradient(loss, variables)
+
+    def train_step(self, data):
+        variables = self.discriminator.trainable_variables
+        d_loss, grads = self.gradients(self.discriminator_loss, data, variables, self.d_optimizer)
+        self.d_optimizer.apply_gradients(zip(grads, variables, strict=True))
+        variables = self.generator.trainable_variables
+        g_loss, grads = self.gradients(self.generator_loss, data, variables, self.g_optimizer)
+        self.g_optimizer.apply_gradients(zip(grads, variables, strict=True))
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+class AccumulatingGAN(PlainGAN, AccumulatingModel):
+    """The same step, each gradient accumulated over micro-batches."""
+
+    def gradients(self, loss_fn, data, variables, optimizer):
+        return self.accumulate_gradients(loss_fn, data, variables, optimizer=optimizer)
+
+
+def _fit_gan(cls, strategy=None, **kwargs):
+    real, latent_d, latent_g, noise = _gan_data()
+    with strategy.scope() if strategy else _nothing():
+        keras.utils.set_random_seed(0)
+        model = cls(**kwargs)
+        model.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02))
+        dataset = tf.data.Dataset.from_tensor_slices(
+            dict(real=real, latent_d=latent_d, latent_g=latent_g, noise=noise)
+        )
+        history = model.fit(dataset.batch(16), epochs=2, verbose=0)
+    return model, history.history
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def _assert_same(plain, accumulating):
+    (model_a, logs_a), (model_b, logs_b) = plain, accumulating
+    for a, b in zip(model_a.get_weights(), model_b.get_weights(), strict=True):
+        np.testing.assert_allclose(b, a, **TOLERANCE)
+    assert set(logs_a) <= set(logs_b)
+    for key in logs_a:
+        np.testing.assert_allclose(logs_b[key], logs_a[key], **TOLERANCE, err_msg=key)
+
+
+def _teacher_student(seed):
+    keras.utils.set_random_seed(seed)
+    teacher = _mlp(6, 3, "teacher")
+    teacher.trainable = False
+    student = _mlp(6, 3, "student")
+    return teacher, student
+
+
+class PlainDistiller(keras.Model):
+    """keras.io's knowledge distillation step, on the whole batch."""
+
+    def __init__(self, teacher, student, **kwargs):
+        super().__init__(**kwargs)
+        self.teacher, self.student = teacher, student
+        self.alpha, self.temperature = 0.3, 3.0
+        self.student_loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.distillation_loss_fn = keras.losses.KLDivergence()
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def call(self, x, training=False):
+        return self.student(x, training=training)
+
+    def distillation_loss(self, data):
+        x, y = data
+        teacher = self.teacher(x, training=False)
+        student = self.student(x, training=True)
+        hard = self.student_loss_fn(y, student)
+        soft = self.distillation_loss_fn(
+            tf.nn.softmax(teacher / self.temperature, axis=1),
+            tf.nn.softmax(student / self.temperature, axis=1),
+        )
+        return self.alpha * hard + (1 - self.alpha) * soft * self.temperature**2
+
+    def gradients(self, data, variables):
+        with tf.GradientTape() as tape:
+            loss = self.distillation_loss(data)
+        return loss, tape.gradient(loss, variables)
+
+    def train_step(self, data):
+        variables = self.student.trainable_variables
+        loss, grads = self.gradients(data, variables)
+        self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+class AccumulatingDistiller(PlainDistiller, AccumulatingModel):
+    def gradients(self, data, variables):
+        return self.accumulate_gradients(self.distillation_loss, data, variables)
+
+
+def _fit_distiller(cls, strategy=None, **kwargs):
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(40, 6)).astype("float32")
+    y = rng.randint(0, 3, 40)
+    with strategy.scope() if strategy else _nothing():
+        model = cls(*_teacher_student(2), **kwargs)
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        history = model.fit(dataset, epochs=2, verbose=0)
+    return model, history.history
+
+
+# Batches of 16, 16, 8; micro-batches of 5: 5 + 5 + 5 + 1 and 5 + 3.
+MICRO = dict(micro_batch_size=5)
+
+
+class TestAccumulateGradients:
+    def test_gan_with_two_optimizers_matches_the_whole_batch(self):
+        _assert_same(_fit_gan(PlainGAN), _fit_gan(AccumulatingGAN, **MICRO))
+
+    def test_distillation_matches_the_whole_batch(self):
+        _assert_same(_fit_distiller(PlainDistiller), _fit_distiller(AccumulatingDistiller, **MICRO))
+
+    @pytest.mark.skipif(
+        LEGACY,
+        reason="tf_keras refuses a mean-reduced loss in a custom step under a strategy",
+    )
+    def test_under_mirrored_strategy(self, mirrored_strategy):
+        plain = _fit_gan(PlainGAN, mirrored_strategy)
+        _assert_same(plain, _fit_gan(AccumulatingGAN, mirrored_strategy, **MICRO))
+        plain = _fit_distiller(PlainDistiller, mirrored_strategy)
+        _assert_same(plain, _fit_distiller(AccumulatingDistiller, mirrored_strategy, **MICRO))
+
+    def test_one_micro_batch_at_a_time(self):
+        """The loss function sees micro-batches of the set size, not the batch."""
+        sizes = []
+
+        class Recording(AccumulatingDistiller):
+            def distillation_loss(self, data):
+                tf.py_function(lambda n: sizes.append(int(n)), [tf.shape(data[0])[0]], [])
+                return super().distillation_loss(data)
+
+        _fit_distiller(Recording, **MICRO)
+        assert sizes[:6] == [5, 5, 5, 1, 5, 5]
+
+    def test_sparse_gradients_stay_sparse(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,), dtype="int32")
+        outputs = layers.Dense(1)(layers.Flatten()(layers.Embedding(50, 4)(inputs)))
+        model = AccumulatingModel(inputs, outputs, micro_batch_size=3)
+        ids = tf.constant(np.random.RandomState(0).randint(0, 50, (8, 3)), tf.int32)
+        table = model.layers[1].embeddings
+
+        def loss_fn(micro):
+            return tf.reduce_mean(tf.square(model(micro)))
+
+        @tf.function
+        def accumulated():
+            return model.accumulate_gradients(loss_fn, ids, [table])
+
+        with tf.GradientTape() as tape:
+            expected_loss = loss_fn(ids)
+        expected = tape.gradient(expected_loss, [table])[0]
+        loss, (gradient,) = accumulated()
+        assert isinstance(gradient, tf.IndexedSlices)
+        assert gradient.values.shape[0] == expected.values.shape[0] == 24
+        np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-6)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(gradient), tf.convert_to_tensor(expected), **TOLERANCE
+        )
+
+
+class TestWarning:
+    def test_a_custom_step_that_splits_nothing_warns_once(self):
+        class Whole(PlainDistiller, AccumulatingModel):
+            pass
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit_distiller(Whole, **MICRO)
+            _fit_distiller(Whole, **MICRO)
+        messages = [str(w.message) for w in caught if "runs the whole batch" in str(w.message)]
+        assert len(messages) == 1
+        assert "Whole.train_step" in messages[0]
+        assert "self.accumulate_gradients(loss_fn, data, variables)" in messages[0]
+        assert "micro_batch_size=5" in messages[0]
+
+    def test_super_train_step_and_accumulate_gradients_do_not_warn(self):
+        class Super(AccumulatingModel):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        model = Super(inputs, layers.Dense(3)(inputs), micro_batch_size=5)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.RandomState(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(rng.normal(size=(20, 6)), rng.randint(0, 3, 20), verbose=0)
+            _fit_distiller(AccumulatingDistiller, **MICRO)
+        assert not [w for w in caught if "runs the whole batch" in str(w.message)]
+
+    @pytest.mark.skipif(LEGACY, reason="Keras 3's compute_loss signature")
+    def test_overriding_compute_loss_keeps_accumulation(self):
+        def build(cls, **kwargs):
+            class Custom(cls):
+                def compute_loss(self, x, y, y_pred, sample_weight=None, training=True):
+                    return tf.reduce_mean(tf.square(y_pred - y)) + tf.add_n(self.losses)
+
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            hidden = layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.01))(inputs)
+            model = Custom(inputs, layers.Dense(2)(hidden), **kwargs)
+            model.compile(keras.optimizers.Adam(0.01))
+            rng = np.random.RandomState(0)
+            x, y = rng.normal(size=(40, 6)), rng.normal(size=(40, 2))
+            history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            return model, history.history
+
+        _assert_same(build(keras.Model), build(AccumulatingModel, **MICRO))
