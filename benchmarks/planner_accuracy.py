@@ -87,12 +87,12 @@ def measure(name, batch, micro):
     import tensorflow as tf
 
     from keras_memopt import AccumulatingModel
-    from keras_memopt.planning import _synthetic_batch
+    from keras_memopt.planning.measure import synthetic_batch
 
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     model = AccumulatingModel.from_model(build(name), micro_batch_size=micro)
     model.compile(optimizer="adam", loss="mse")
-    x, y = _synthetic_batch(model, batch)
+    x, y = synthetic_batch(model, batch)
     model.train_on_batch(x, y)
     tf.config.experimental.reset_memory_stats("CPU:0")
     for _ in range(2):

@@ -1,12 +1,12 @@
-import subprocess
 from unittest import mock
 
 import numpy as np
 import pytest
 from conftest import run_python
 
-from keras_memopt import AccumulatingModel, planning
-from keras_memopt.planning import MemoryPlanner, _Calibration
+from keras_memopt import AccumulatingModel, _subprocess
+from keras_memopt.planning import MemoryPlanner
+from keras_memopt.planning.calibration import Calibration
 
 
 def _mlp(keras, width=64):
@@ -54,6 +54,13 @@ class TestEstimate:
         with pytest.raises(ValueError, match="must be built"):
             MemoryPlanner(model)
 
+    def test_unknown_input_shape_is_refused_at_construction(self, keras_module):
+        inputs = keras_module.Input((None, 8))  # sequences of any length
+        hidden = keras_module.layers.Dense(4)(inputs)
+        model = keras_module.Model(inputs, keras_module.layers.GlobalAveragePooling1D()(hidden))
+        with pytest.raises(ValueError, match=r"fixed input shapes .* Received: input shapes"):
+            MemoryPlanner(model)
+
     def test_not_a_model_is_refused(self):
         with pytest.raises(TypeError, match="must be a `keras.Model`"):
             MemoryPlanner("model.keras")
@@ -86,8 +93,14 @@ class TestPlan:
         one = planner.estimate(64, 1)
         tight = (one.peak - one.activations - one.input_batch // 2) / 0.9
         plan = planner.plan(64, int(tight))
-        assert not plan.fits and plan.micro_batch_size == 1
+        assert not plan.fits and plan.micro_batch_size == 1 and plan.remat == "auto"
         assert "Not even a micro-batch of one sample fits" in plan.note
+
+    def test_table_says_the_figures_are_from_shapes_and_counts_micro_batches(self, keras_module):
+        table = MemoryPlanner(_mlp(keras_module)).plan(64, "1GiB").table()
+        assert "peak (shapes only)" in table
+        assert "estimated from shapes alone" in table
+        assert "(1 micro-batch of a batch of 64)" in table
 
     def test_bad_batch_size_is_refused(self, keras_module):
         with pytest.raises(ValueError, match="Received: batch_size=0"):
@@ -143,10 +156,10 @@ class TestIsolation:
 
     def test_a_measurement_is_that_of_a_fresh_training_process(self, keras_module):
         planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam")
-        with mock.patch.object(planning.subprocess, "run", wraps=subprocess.run) as run:
+        with mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call:
             measured = planner.profile((64, 512), batch_size=512)
-        assert [c.args[0][1:] for c in run.call_args_list] == [
-            ["-m", "keras_memopt._profile_child"]
+        assert [c.args[0] for c in call.call_args_list] == [
+            "keras_memopt.planning.measure:measure_in_child"
         ] * 2
         # The same steps in a fresh process of their own, as training would run them.
         result = run_python(
@@ -154,14 +167,14 @@ class TestIsolation:
             import tensorflow as tf
             from keras_memopt import AccumulatingModel
             from keras_memopt._keras import keras
-            from keras_memopt.planning import _synthetic_batch
+            from keras_memopt.planning.measure import synthetic_batch
 
             before = tf.config.experimental.get_memory_info("CPU:0")["current"]
             inputs = keras.Input((32,))
             hidden = keras.layers.Dense(1024, activation="relu")(inputs)
             model = AccumulatingModel(inputs, keras.layers.Dense(4)(hidden), micro_batch_size=512)
             model.compile(optimizer="adam", loss="mse")
-            x, y = _synthetic_batch(model, 512)
+            x, y = synthetic_batch(model, 512)
             model.train_on_batch(x, y)
             tf.config.experimental.reset_memory_stats("CPU:0")
             for _ in range(2):
@@ -196,7 +209,7 @@ class TestIsolation:
 
 class TestCalibration:
     def _calibration(self):
-        calibration = _Calibration(per_batch_sample=10.0, min_slope=100.0)
+        calibration = Calibration(per_batch_sample=10.0, min_slope=100.0)
         for micro, peak in ((8, 10_000), (16, 12_000), (32, 20_000)):
             calibration.record(256, micro, peak)
         return calibration
@@ -213,7 +226,7 @@ class TestCalibration:
         )
 
     def test_slope_is_never_below_the_shape_estimate(self):
-        calibration = _Calibration(per_batch_sample=0.0, min_slope=100.0)
+        calibration = Calibration(per_batch_sample=0.0, min_slope=100.0)
         calibration.record(64, 8, 10_000)
         calibration.record(64, 16, 9_000)  # measurement noise: a falling peak
         np.testing.assert_allclose(calibration.peak_at(64, 32), 9_000 + 16 * 100)
