@@ -206,7 +206,8 @@ def _demo(args):
 
     print(
         f"\n2. AccumulatingModel.from_model(model, micro_batch_size={args.micro_batch_size}), "
-        f"batch {args.batch_size}\n   ({steps} micro-batches, one optimizer update per batch), "
+        f"batch {args.batch_size}\n   ({steps} micro-batch{'' if steps == 1 else 'es'}, "
+        "one optimizer update per batch), "
         f"under the same {limit} MiB limit",
         flush=True,
     )

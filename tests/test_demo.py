@@ -55,6 +55,18 @@ class TestArguments:
         ]
         assert "Plain Keras ran out of memory at batch 96" in capsys.readouterr().out
 
+    @pytest.mark.parametrize(
+        "micro, words", [("64", "(1 micro-batch, "), ("16", "(4 micro-batches, ")]
+    )
+    def test_micro_batches_are_counted_in_words(self, monkeypatch, capsys, micro, words):
+        def fake_call(function, payload, env=None, timeout=None, name=None):
+            return dict(run=payload["run"], status="trained", seconds=1.0, peak_mib=10.0,
+                        loss=[0.5])
+
+        monkeypatch.setattr(demo._subprocess, "call", fake_call)
+        demo.main(["--batch-size", "64", "--micro-batch-size", micro])
+        assert words in capsys.readouterr().out
+
     def test_interrupt_stops_with_status_130(self, monkeypatch, capsys):
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
