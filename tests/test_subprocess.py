@@ -134,3 +134,14 @@ def _assert_gone(pid):
         return
     # A zombie is gone too, but a reaped child leaves none.
     pytest.fail(f"process {pid} still exists")
+
+
+def test_benchmarks_set_the_same_allocator_variables():
+    # benchmarks/_common.py writes them out: it must not start TensorFlow.
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "_common.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_common", path)
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.ALLOCATOR_ENV == _subprocess.tensorflow_env(cpu_memory_limit_mb=8192)
