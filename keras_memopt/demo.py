@@ -155,7 +155,9 @@ def _run_child(run, args, memory_limit_mb):
         return _subprocess.call(
             "keras_memopt.demo:train",
             dict(_settings(args), run=run),
-            env=_subprocess.tensorflow_env(cpu_memory_limit_mb=memory_limit_mb),
+            # The demo limits the CPU's memory: GPUs stay out of it.
+            env={**_subprocess.tensorflow_env(cpu_memory_limit_mb=memory_limit_mb),
+                 "CUDA_VISIBLE_DEVICES": "-1"},
             timeout=_RUN_TIMEOUT_S,
             name=f"The {run} run",
         )

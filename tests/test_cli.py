@@ -3,7 +3,7 @@ import sys
 import time
 
 import pytest
-from conftest import run_python
+from conftest import run_python, without_gpu
 
 from keras_memopt import _subprocess, cli
 from keras_memopt.cli import main
@@ -126,6 +126,7 @@ class TestErrors:
         )
 
 
+@without_gpu  # on a GPU, measurements run in this process
 def test_plan_measures_by_default_and_says_so(saved_model, capsys):
     assert main(["plan", saved_model, "--batch-size", "64", "--budget", "1GiB"]) == 0
     out = capsys.readouterr().out

@@ -50,6 +50,7 @@ class TestArguments:
             assert {k: v for k, v in payload.items() if k != "run"} == expected
             assert env["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
             assert env["TF_ENABLE_ONEDNN_OPTS"] == "0"
+            assert env["CUDA_VISIBLE_DEVICES"] == "-1"  # it trains on the CPU
         assert [env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] for _, _, env in calls] == [
             "50", "50", str(demo._UNLIMITED_MB)
         ]

@@ -111,7 +111,8 @@ class TestProfile:
     def test_profile_calibrates_without_touching_the_model(self, keras_module):
         model = _mlp(keras_module, width=256)
         weights = [w.copy() for w in model.get_weights()]
-        planner = MemoryPlanner(model, optimizer="adam", device="CPU:0")
+        # In this process: isolation has tests of its own.
+        planner = MemoryPlanner(model, optimizer="adam", device="CPU:0", isolate=False)
         measured = planner.profile((8, 32))
         for before, after in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(before, after)
@@ -155,7 +156,7 @@ class TestIsolation:
     """On a CPU, `profile()` measures each size in a fresh process by default."""
 
     def test_a_measurement_is_that_of_a_fresh_training_process(self, keras_module):
-        planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam")
+        planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam", device="CPU:0")
         with mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call:
             measured = planner.profile((64, 512), batch_size=512)
         assert [c.args[0] for c in call.call_args_list] == [
@@ -195,12 +196,19 @@ class TestIsolation:
 
         inputs = keras_module.Input((32,))
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(Doubler()(inputs)))
-        with pytest.warns(UserWarning, match="measures in this process") as caught:
-            measured = MemoryPlanner(model).profile((8, 16))
+        planner = MemoryPlanner(model, device="CPU:0")
+        with (
+            pytest.warns(UserWarning, match="the subprocess cannot rebuild it") as caught,
+            mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call,
+        ):
+            measured = planner.profile((8, 16))
         assert {w.filename for w in caught} == {__file__}  # points at the caller
-        assert all(peak > 0 for peak in measured.values())
-        with pytest.raises(RuntimeError, match="Pass `isolate=False`"):
-            MemoryPlanner(model, isolate=True).profile((8, 16))
+        assert call.call_count == 1  # the second size is not tried in a fresh process
+        for size, peak in measured.items():  # measured here, and calibrating
+            assert peak > 0 and planner.estimate(size, size).peak == peak
+        with pytest.raises(RuntimeError, match=r"cannot measure in a fresh process: .*"
+                           r"Pass `isolate=False`.*Received: isolate=True"):
+            MemoryPlanner(model, device="CPU:0", isolate=True).profile((8, 16))
 
     def test_isolate_must_be_a_bool_or_none(self, keras_module):
         with pytest.raises(TypeError, match="Received: isolate='yes'"):

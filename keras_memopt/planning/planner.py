@@ -181,6 +181,7 @@ class MemoryPlanner:
         self.optimizer = keras.optimizers.get(optimizer)
         self.device = device
         self._calibration = None
+        self._cannot_isolate = None  # why a fresh process cannot rebuild the model
         self.layers = _estimate.layer_table(model)
 
     # -- shapes ---------------------------------------------------------------------
@@ -313,12 +314,13 @@ class MemoryPlanner:
             )
         device = self._profile_device()
         started = time.perf_counter()
-        isolated = self._isolated(device)
+        isolated = self._isolated(device) and self._cannot_isolate is None
         if isolated:
             try:
                 peak = _measure.measure_isolated(self.model, self.optimizer, batch, micro, device)
             except _measure.CannotIsolate as reason:
                 self._fall_back(reason, stacklevel + 1)
+                self._cannot_isolate = reason  # the next sizes go straight here
                 isolated = False
         if not isolated:
             _check_allocator_figures(device)
