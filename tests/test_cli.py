@@ -39,6 +39,20 @@ def launcher(tmp_path):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def accumulating_model_file(tmp_path_factory):
+    """A saved AccumulatingModel (loaded by fresh processes in the tests)."""
+    from keras_memopt import AccumulatingModel
+    from keras_memopt._keras import keras
+
+    path = str(tmp_path_factory.mktemp("saved") / "accumulating.keras")
+    inputs = keras.Input((16,))
+    model = AccumulatingModel(inputs, keras.layers.Dense(4)(inputs), micro_batch_size=8)
+    model.compile(optimizer="adam", loss="mse")
+    model.save(path)
+    return path
+
+
 def _recommended(out):
     line = next(line for line in out.splitlines() if line.startswith("recommendation"))
     return int(line.split("micro_batch_size=")[1].split(",")[0])
@@ -163,23 +177,12 @@ class TestCommand:
             }
 
     @pytest.mark.slow
-    def test_plan_loads_a_saved_accumulating_model(self, launcher, tmp_path):
+    def test_plan_loads_a_saved_accumulating_model(self, launcher, accumulating_model_file):
         # The command loads the package lazily; it must still register
         # AccumulatingModel before loading a model that is one.
-        path = str(tmp_path / "accumulating.keras")
-        run_python(
-            f"""
-            from keras_memopt import AccumulatingModel
-            from keras_memopt._keras import keras
-
-            inputs = keras.Input((16,))
-            model = AccumulatingModel(inputs, keras.layers.Dense(4)(inputs), micro_batch_size=8)
-            model.compile(optimizer="adam", loss="mse")
-            model.save({path!r})
-            """
-        )
         output = _subprocess.run(
-            [launcher, "plan", path, "--batch-size", "64", "--budget", "1GiB", "--no-profile"],
+            [launcher, "plan", accumulating_model_file, "--batch-size", "64", "--budget", "1GiB",
+             "--no-profile"],
             timeout=300,
         )
         assert output.returncode == 0, output.tail()
@@ -187,19 +190,8 @@ class TestCommand:
 
 
 @pytest.mark.slow
-def test_import_registers_accumulating_model_for_load_model(tmp_path):
-    path = str(tmp_path / "accumulating.keras")
-    run_python(
-        f"""
-        from keras_memopt import AccumulatingModel
-        from keras_memopt._keras import keras
-
-        inputs = keras.Input((16,))
-        model = AccumulatingModel(inputs, keras.layers.Dense(4)(inputs), micro_batch_size=8)
-        model.compile(optimizer="adam", loss="mse")
-        model.save({path!r})
-        """
-    )
+def test_import_registers_accumulating_model_for_load_model(accumulating_model_file):
+    path = accumulating_model_file
     result = run_python(
         f"""
         import keras_memopt  # nothing else of keras_memopt is named
