@@ -302,3 +302,17 @@ class TestProfiledPlan:
         assert fits == "True", result.stdout
         assert float(failed) <= 8192, result.stdout
         assert int(micro) < float(failed)
+
+
+class TestBytes:
+    def test_unknown_dimensions_are_not_guessed_unless_asked(self, keras_module):
+        from keras_memopt.planning.estimate import bytes_if_known, bytes_per_sample
+
+        assert bytes_if_known((3, 4), "float32") == 48
+        assert bytes_if_known((3, None), "float16") is None
+        assert bytes_if_known((3, None), "float16", unknown_dim=1) == 6
+        fixed = keras_module.Input((8, 2))
+        ragged = keras_module.Input((None, 2), dtype="int64")
+        assert bytes_per_sample([fixed]) == 64  # the batch axis is dropped
+        assert bytes_per_sample([fixed, ragged]) is None
+        assert bytes_per_sample([fixed, ragged], unknown_dim=1) == 64 + 16
