@@ -35,16 +35,15 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
-ENV = dict(
-    TF_CPP_MIN_LOG_LEVEL="3",
-    TF_ENABLE_ONEDNN_OPTS="0",
-    TF_CPU_ALLOCATOR_USE_BFC="true",
-    TF_CPU_BFC_MEM_LIMIT_IN_MB="8192",
-)
+import _common
+
+_common.use_allocator_env()  # quiet; and the workers' settings, before TensorFlow starts
+
+from keras_memopt import _subprocess  # noqa: E402
+
 # Effective batch per model; chosen so that activations, not weights,
 # dominate plain Keras's peak, and one epoch takes a few seconds on 2 cores.
 BATCH = {"mlp": 4096, "cnn": 256, "transformer": 128}
@@ -56,34 +55,12 @@ STEPS_PER_EPOCH = 4
 def build(name):
     from keras_memopt._keras import keras
 
-    layers = keras.layers
     if name == "mlp":
-        inputs = keras.Input((256,))
-        x = inputs
-        for _ in range(12):
-            x = layers.Dense(512, activation="relu")(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.mlp(256, depth=12, width=512)
     elif name == "cnn":
-        inputs = keras.Input((32, 32, 3))
-        x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
-        x = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-        x = layers.MaxPooling2D()(x)
-        x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = layers.MaxPooling2D()(x)
-        x = layers.GlobalAveragePooling2D()(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.cnn([32, 32, "pool", 64, 64, "pool"], padding="same")
     elif name == "transformer":
-        length, width, heads = 128, 128, 4
-        inputs = keras.Input((length,), dtype="int32")
-        x = layers.Embedding(1000, width)(inputs)
-        for _ in range(2):
-            attended = layers.MultiHeadAttention(heads, width // heads)(x, x)
-            x = layers.LayerNormalization()(x + attended)
-            hidden = layers.Dense(4 * width, activation="gelu")(x)
-            x = layers.LayerNormalization()(x + layers.Dense(width)(hidden))
-        x = layers.GlobalAveragePooling1D()(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.transformer(length=128, blocks=2)
     else:
         raise ValueError(f"Unknown model. Expected one of {MODELS}. Received: name={name!r}")
     return keras.Model(inputs, outputs, name=name)
@@ -193,21 +170,17 @@ def time_worker(configs, repeats, seed):
 
 
 def start(task):
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)],
-        env={**os.environ, **ENV},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return _subprocess.start(
+        [os.path.abspath(__file__), "--worker", json.dumps(task)],
+        env=_common.ALLOCATOR_ENV,
+        name=f"worker {task}",
     )
 
 
-def result(process, task):
-    out, err = process.communicate()
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    if process.returncode or not lines:
-        raise RuntimeError(f"worker {task} failed:\n{err[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+def results(workers):
+    """Each worker's result, once all have finished (all are stopped if one fails)."""
+    outputs = _subprocess.wait_all(workers)
+    return [_subprocess.result_of(o, w.name) for w, o in zip(workers, outputs, strict=True)]
 
 
 def configurations(name, jit_compile, legacy):
@@ -234,10 +207,8 @@ def measure(name, jit_compile, repeats, legacy, seed):
     configs = list(configurations(name, jit_compile, legacy))
     # Peaks: one process per configuration (side by side: a peak does not
     # depend on the load). Times: then one process for all of them.
-    peaks = [(start({"peak": c}), {"peak": c}) for c in configs]
-    peaks = [result(*p) for p in peaks]
-    task = {"time": configs, "repeats": repeats, "seed": seed}
-    rounds = result(start(task), task)
+    peaks = results([start({"peak": c}) for c in configs])
+    (rounds,) = results([start({"time": configs, "repeats": repeats, "seed": seed})])
     rows = []
     for index, (config, peak) in enumerate(zip(configs, peaks, strict=True)):
         ratios = [seconds[index] / seconds[0] for seconds in rounds]
@@ -295,7 +266,7 @@ def main(argv=None):
             answer = peak_worker(task["peak"])
         else:
             answer = time_worker(task["time"], task["repeats"], task["seed"])
-        print("RESULT " + json.dumps(answer), flush=True)
+        _subprocess.send_result(answer)
         return 0
     legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
     rows = []

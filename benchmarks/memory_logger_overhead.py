@@ -8,11 +8,9 @@ the median per-epoch time. Goal: at most 2% slower.
 Run: TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/memory_logger_overhead.py
 """
 
-import os
+import _common
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+_common.use_allocator_env()  # before TensorFlow starts
 
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -21,17 +19,14 @@ import warnings  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_memopt import AccumulatingModel  # noqa: E402
-from keras_memopt._keras import keras  # noqa: E402
 from keras_memopt.callbacks import MemoryLogger  # noqa: E402
 
 ROUNDS = 7
 
 
 def main():
-    inputs = keras.Input((512,))
-    x = keras.layers.Dense(1024, activation="relu")(inputs)
-    x = keras.layers.Dense(1024, activation="relu")(x)
-    model = AccumulatingModel(inputs, keras.layers.Dense(10)(x), micro_batch_size=64)
+    inputs, outputs = _common.mlp(512, depth=2, width=1024)
+    model = AccumulatingModel(inputs, outputs, micro_batch_size=64)
     model.compile(optimizer="adam", loss="mse")
     rng = np.random.default_rng(0)
     data = rng.random((256 * 20, 512), dtype=np.float32), rng.random((256 * 20, 10), np.float32)

@@ -34,18 +34,17 @@ Run: python benchmarks/planner_accuracy.py [--inter-op-threads 1]
 (about 15 minutes on 2 busy cores)
 """
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 
-ENV = dict(
-    TF_CPP_MIN_LOG_LEVEL="3",
-    TF_ENABLE_ONEDNN_OPTS="0",
-    TF_CPU_ALLOCATOR_USE_BFC="true",
-    TF_CPU_BFC_MEM_LIMIT_IN_MB="8192",
-)
+import _common
+
+_common.use_allocator_env()  # quiet; and the workers' settings, before TensorFlow starts
+
+from keras_memopt import _subprocess  # noqa: E402
+
+ENV = dict(_common.ALLOCATOR_ENV)
 CONFIGS = [(64, 64), (256, 256), (256, 64), (1024, 128)]
 MODELS = ["mlp", "cnn", "transformer"]
 PLANS = {"mlp": (1024, "100MiB"), "cnn": (1024, "160MiB"), "transformer": (1024, "128MiB")}
@@ -56,30 +55,12 @@ COLUMNS = ["shapes", "near", "extrapolated", "default"]
 def build(name):
     from keras_memopt._keras import keras
 
-    layers = keras.layers
     if name == "mlp":
-        inputs = keras.Input((512,))
-        x = inputs
-        for _ in range(4):
-            x = layers.Dense(1024, activation="relu")(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.mlp(512, depth=4, width=1024)
     elif name == "cnn":
-        inputs = keras.Input((32, 32, 3))
-        x = layers.Conv2D(32, 3, activation="relu")(inputs)
-        x = layers.Conv2D(32, 3, activation="relu")(x)
-        x = layers.MaxPooling2D()(x)
-        x = layers.Conv2D(64, 3, activation="relu")(x)
-        x = layers.GlobalAveragePooling2D()(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.cnn([32, 32, "pool", 64])
     else:
-        inputs = keras.Input((64,), dtype="int32")
-        x = layers.Embedding(1000, 128)(inputs)
-        attended = layers.MultiHeadAttention(num_heads=4, key_dim=32)(x, x)
-        x = layers.LayerNormalization()(layers.Add()([x, attended]))
-        hidden = layers.Dense(256, activation="gelu")(x)
-        x = layers.LayerNormalization()(layers.Add()([x, layers.Dense(128)(hidden)]))
-        x = layers.GlobalAveragePooling1D()(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.transformer(length=64, blocks=1, hidden=256, add_layers=True)
     return keras.Model(inputs, outputs, name=name)
 
 
@@ -87,12 +68,12 @@ def measure(name, batch, micro):
     import tensorflow as tf
 
     from keras_memopt import AccumulatingModel
-    from keras_memopt.planning import _synthetic_batch
+    from keras_memopt.planning.measure import synthetic_batch
 
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     model = AccumulatingModel.from_model(build(name), micro_batch_size=micro)
     model.compile(optimizer="adam", loss="mse")
-    x, y = _synthetic_batch(model, batch)
+    x, y = synthetic_batch(model, batch)
     model.train_on_batch(x, y)
     tf.config.experimental.reset_memory_stats("CPU:0")
     for _ in range(2):
@@ -131,13 +112,8 @@ def predict_default(name):
 
 
 def child(code):
-    env = dict(os.environ, **ENV)
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", code], env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    output = _subprocess.run([__file__, "--child", code], env=ENV)
+    return _subprocess.result_of(output, f"The child {code}")
 
 
 def measured(name, batch, micro):
@@ -193,10 +169,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         kind, *args = sys.argv[2].split(":")
         if kind == "default":
-            print(json.dumps(predict_default(args[0])))
+            _subprocess.send_result(predict_default(args[0]))
         elif kind == "predict":
-            print(json.dumps(predict(args[0], int(args[1]), int(args[2]))))
+            _subprocess.send_result(predict(args[0], int(args[1]), int(args[2])))
         else:
-            print(json.dumps(measure(args[0], int(args[1]), int(args[2]))))
+            _subprocess.send_result(measure(args[0], int(args[1]), int(args[2])))
     else:
         main()

@@ -24,14 +24,12 @@ Run: python benchmarks/remat.py  (a few minutes on 2 cores; --models mlp
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN bypasses the BFC allocator
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-os.environ.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "8192")
+import _common
+
+_common.use_allocator_env()  # before TensorFlow starts
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -39,20 +37,10 @@ import tensorflow as tf  # noqa: E402
 from keras_memopt import AccumulatingModel  # noqa: E402
 from keras_memopt._keras import keras  # noqa: E402
 
-layers = keras.layers
-
 # Batch per model: activations, not weights, dominate the step's memory, and
 # one step takes about a second on 2 cores.
 BATCH = {"mlp": 2048, "resnet50": 32, "transformer": 32}
 STEPS_PER_EPOCH = 2
-
-
-def _transformer_block(x, width, heads):
-    attention = layers.MultiHeadAttention(heads, width // heads, dropout=0.1)(x, x)
-    x = layers.LayerNormalization()(layers.Add()([x, attention]))
-    hidden = layers.Dense(4 * width, activation="gelu")(x)
-    hidden = layers.Dropout(0.1)(layers.Dense(width)(hidden))
-    return layers.LayerNormalization()(layers.Add()([x, hidden]))
 
 
 def build(name):
@@ -61,11 +49,7 @@ def build(name):
     batch = BATCH[name]
     samples = batch * STEPS_PER_EPOCH
     if name == "mlp":
-        inputs = keras.Input((512,))
-        x = inputs
-        for _ in range(16):
-            x = layers.Dense(512, activation="relu")(x)
-        outputs = layers.Dense(10)(x)
+        inputs, outputs = _common.mlp(512, depth=16, width=512)
         data = rng.rand(samples, 512).astype("float32")
     elif name == "resnet50":
         base = keras.applications.ResNet50(
@@ -74,11 +58,7 @@ def build(name):
         inputs, outputs = base.inputs, base.outputs
         data = rng.rand(samples, 64, 64, 3).astype("float32")
     else:
-        inputs = keras.Input((128,), dtype="int32")
-        x = layers.Embedding(1000, 128)(inputs)
-        for _ in range(6):
-            x = _transformer_block(x, 128, heads=4)
-        outputs = layers.Dense(10)(layers.GlobalAveragePooling1D()(x))
+        inputs, outputs = _common.transformer(length=128, blocks=6, dropout=0.1, add_layers=True)
         data = rng.randint(0, 1000, (samples, 128)).astype("int32")
     labels = rng.randint(0, 10, samples)
     return inputs, outputs, (data, labels)

@@ -1,12 +1,57 @@
-"""keras_memopt: train Keras models that do not fit in accelerator memory."""
+"""keras_memopt: train Keras models that do not fit in accelerator memory.
 
-from keras_memopt import callbacks  # noqa: F401  (keras_memopt.callbacks.OOMBackoff, ...)
-from keras_memopt.devices import configure_devices
-from keras_memopt.memory import MemoryReader
-from keras_memopt.models import AccumulatingModel
-from keras_memopt.planning import MemoryPlanner
-from keras_memopt.remat import Remat
+`import keras_memopt` imports the whole public API, TensorFlow included: that
+registers `AccumulatingModel` and `Remat` with Keras, so that
+`keras.models.load_model` can rebuild models that use them. (Keras imports
+the module of a saved class only for its own packages; any other class must
+be registered before loading, so these imports cannot wait until first use.)
+
+The one exception is the `keras-memopt` command, which needs TensorFlow only
+once its arguments are parsed: run as that command, this package loads its
+public names on first use (PEP 562), so `keras-memopt --help` and argument
+errors return at once, and the command imports what it uses itself (`plan`
+imports `keras_memopt.models` before loading a model).
+"""
+
+import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
 
 __all__ = ["AccumulatingModel", "Remat", "MemoryPlanner", "MemoryReader", "configure_devices"]
+
+
+def _launched_as_command():
+    """Whether this process is the `keras-memopt` console script."""
+    program = _os.path.basename(_sys.argv[0]) if _sys.argv and _sys.argv[0] else ""
+    # pip's launchers: `keras-memopt`, `keras-memopt.exe`, `keras-memopt-script.py`.
+    return program.removesuffix(".exe").removesuffix("-script.py") == "keras-memopt"
+
+
+if _launched_as_command():
+    _LAZY = {
+        "AccumulatingModel": "keras_memopt.models",
+        "Remat": "keras_memopt.remat",
+        "MemoryPlanner": "keras_memopt.planning",
+        "MemoryReader": "keras_memopt.memory",
+        "configure_devices": "keras_memopt.devices",
+    }
+
+    def __getattr__(name):
+        import importlib
+
+        if name == "callbacks":
+            return importlib.import_module("keras_memopt.callbacks")
+        if name in _LAZY:
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+            globals()[name] = value
+            return value
+        raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
+
+else:
+    from keras_memopt import callbacks  # noqa: F401  (keras_memopt.callbacks.OOMBackoff, ...)
+    from keras_memopt.devices import configure_devices
+    from keras_memopt.memory import MemoryReader
+    from keras_memopt.models import AccumulatingModel
+    from keras_memopt.planning import MemoryPlanner
+    from keras_memopt.remat import Remat

@@ -8,8 +8,9 @@ batch into micro-batches and trains. It prints the allocator's peak memory of
 both runs and the training loss.
 
 TensorFlow reads its allocator settings once, when it initialises, so every
-run happens in a fresh child process started with them (the parent process
-runs no TensorFlow itself).
+run happens in a fresh child process started with them
+(`keras_memopt._subprocess`); the parent process runs no TensorFlow itself.
+Ctrl-C stops the run in progress and exits with status 130.
 
 Example:
 
@@ -22,11 +23,12 @@ python -m keras_memopt.demo --batch-size 4096 --micro-batch-size 256
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
+import textwrap
 import time
+
+from keras_memopt import _subprocess
+from keras_memopt._validation import positive_int_argument
 
 DEFAULTS = dict(
     batch_size=8192,
@@ -42,18 +44,8 @@ DEFAULTS = dict(
 
 # Generous enough for every run the demo makes without a limit.
 _UNLIMITED_MB = 16384
-_RESULT_PREFIX = "KERAS_MEMOPT_DEMO_RESULT "
-_RUNS = ("plain", "accumulating")
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, received {text!r}")
-    return value
+# Per run; the default demo's runs take well under a minute each on 2 cores.
+_RUN_TIMEOUT_S = 1800
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -78,7 +70,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ]:
         parser.add_argument(
             "--" + name.replace("_", "-"),
-            type=_positive_int,
+            type=positive_int_argument,
             default=DEFAULTS[name],
             help=f"{help_text} (default: {DEFAULTS[name]})",
         )
@@ -87,20 +79,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="compile with XLA (jit_compile=True) in both runs",
     )
-    parser.add_argument("--child", choices=_RUNS + ("plain-unlimited",), help=argparse.SUPPRESS)
     return parser
 
 
 # -- the child: one training run in a fresh TensorFlow -------------------------------
 
 
-def _child(run, args):
+def train(settings):
+    """One training run in this (fresh) process; returns what it did as a dict.
+
+    `settings` holds `run` (`"plain"`, `"accumulating"` or `"plain-unlimited"`)
+    and the demo's options by name.
+    """
     import numpy as np
     import tensorflow as tf
 
     from keras_memopt import AccumulatingModel
     from keras_memopt._keras import keras
 
+    run = settings["run"]
+    args = argparse.Namespace(**settings)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     samples = args.batch_size * args.steps_per_epoch
@@ -140,51 +138,40 @@ def _child(run, args):
         result.update(status="trained", loss=[float(v) for v in history.history["loss"]])
     result["seconds"] = time.perf_counter() - start
     result["peak_mib"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
-    print(_RESULT_PREFIX + json.dumps(result), flush=True)
+    return result
 
 
 # -- the parent: starts the children, never imports TensorFlow ---------------------
 
 
-def _child_command(run, args):
-    command = [sys.executable, "-m", "keras_memopt.demo", "--child", run]
-    for name in DEFAULTS:
-        if name in ("features", "classes"):
-            continue
-        command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    if args.jit_compile:
-        command.append("--jit-compile")
-    return command
+def _settings(args):
+    """The options a run needs, by name (what `train` receives)."""
+    names = [name for name in DEFAULTS if name not in ("features", "classes")]
+    return {name: getattr(args, name) for name in names + ["jit_compile"]}
 
 
 def _run_child(run, args, memory_limit_mb):
-    env = dict(os.environ)
-    env.update(
-        TF_CPP_MIN_LOG_LEVEL="3",
-        # oneDNN bypasses the BFC allocator (and crashed under a limit).
-        TF_ENABLE_ONEDNN_OPTS="0",
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(memory_limit_mb),
-    )
-    process = subprocess.run(
-        _child_command(run, args), env=env, capture_output=True, text=True, check=False
-    )
-    for line in process.stdout.splitlines():
-        if line.startswith(_RESULT_PREFIX):
-            return json.loads(line[len(_RESULT_PREFIX) :])
-    return dict(
-        run=run,
-        status="crashed",
-        error=f"the child process exited with status {process.returncode}",
-        output=(process.stdout + process.stderr)[-3000:],
-    )
+    try:
+        return _subprocess.call(
+            "keras_memopt.demo:train",
+            dict(_settings(args), run=run),
+            # The demo limits the CPU's memory: GPUs stay out of it.
+            env={**_subprocess.tensorflow_env(cpu_memory_limit_mb=memory_limit_mb),
+                 "CUDA_VISIBLE_DEVICES": "-1"},
+            timeout=_RUN_TIMEOUT_S,
+            name=f"The {run} run",
+        )
+    except _subprocess.ChildFailed as error:
+        return dict(run=run, status="crashed", error=str(error))
 
 
 def _describe(result, limit=None):
     bound = "no limit" if limit is None else f"limit {limit} MiB"
     if result["status"] == "oom":
+        # TensorFlow's OOM line names the tensor, the device and the allocator.
+        error = textwrap.shorten(result["error"], width=400, placeholder=" ...")
         return (
-            f"   OUT OF MEMORY after {result['seconds']:.0f} s: {result['error'][:160]}\n"
+            f"   OUT OF MEMORY after {result['seconds']:.0f} s: {error}\n"
             f"   allocator peak before it failed: {result['peak_mib']:.0f} MiB "
             f"(limit {limit} MiB)"
         )
@@ -194,7 +181,7 @@ def _describe(result, limit=None):
             f"   trained in {result['seconds']:.0f} s, loss per epoch: {losses}\n"
             f"   allocator peak: {result['peak_mib']:.0f} MiB ({bound})"
         )
-    return f"   FAILED: {result['error']}\n{result.get('output', '')}"
+    return f"   FAILED: {result['error']}"
 
 
 def _demo(args):
@@ -221,7 +208,8 @@ def _demo(args):
 
     print(
         f"\n2. AccumulatingModel.from_model(model, micro_batch_size={args.micro_batch_size}), "
-        f"batch {args.batch_size}\n   ({steps} micro-batches, one optimizer update per batch), "
+        f"batch {args.batch_size}\n   ({steps} micro-batch{'' if steps == 1 else 'es'}, "
+        "one optimizer update per batch), "
         f"under the same {limit} MiB limit",
         flush=True,
     )
@@ -255,7 +243,7 @@ def _demo(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the demo (or, with `--child`, one of its runs); returns an exit status.
+    """Runs the demo; returns an exit status.
 
     Args:
         argv: list of str, the command-line arguments after `demo`. Defaults
@@ -263,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 when `AccumulatingModel` trained, 1 when it did not, 2 for bad
-        arguments.
+        arguments, 130 when interrupted (Ctrl-C).
     """
     args = build_parser().parse_args(argv)
-    if args.child:
-        _child(args.child, args)
-        return 0
-    return _demo(args)
+    try:
+        return _demo(args)
+    except KeyboardInterrupt:
+        print("\nkeras-memopt demo: interrupted; the run in progress was stopped.",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,10 +1,23 @@
-"""Reading memory: TensorFlow's allocator per device, the host process, NVML."""
+"""Reading memory: byte sizes, TensorFlow's allocator per device, the host process, NVML.
+
+The one home in keras_memopt for each of these needs:
+
+- `parse_bytes` / `format_bytes`: sizes such as `"8GiB"` to bytes and back;
+- `allocator_memory`: TensorFlow's allocator figures for one device;
+- `nvml` / `nvml_handle_of_tf_gpu`: NVML (nvidia-ml-py), initialised once
+  per process, and the NVML device behind one of TensorFlow's GPUs;
+- `MemoryReader`: all of the above, and the host's RSS, as one flat dict.
+
+Importing this module does not import TensorFlow (the functions that read it
+do), so that the command line can check sizes before TensorFlow loads.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 
-import tensorflow as tf
+import psutil
 
 _UNITS = {
     "b": 1,
@@ -29,6 +42,9 @@ def parse_bytes(value, name="size"):
     of 1024), case-insensitive; a bare number is bytes.
 
     Example: `parse_bytes("8GiB") == 8 * 2**30`.
+
+    Raises:
+        ValueError: naming `name`, for anything but a positive size.
     """
     if isinstance(value, bool):
         value = str(value)
@@ -59,21 +75,154 @@ def format_bytes(size):
     return f"{int(size)} B"
 
 
+# -- TensorFlow's allocator -------------------------------------------------------------
+
+
+def _device_spec(device):
+    import tensorflow as tf
+
+    return tf.DeviceSpec.from_string(device if "/" in device else f"/device:{device}")
+
+
 def _device_tag(device):
     """`"GPU:0"` → `"gpu0"`: a name safe in CSV columns and summary names."""
-    spec = tf.DeviceSpec.from_string(device if "/" in device else f"/device:{device}")
+    spec = _device_spec(device)
     return f"{(spec.device_type or 'cpu').lower()}{spec.device_index or 0}"
 
 
 def _canonical(device):
-    spec = tf.DeviceSpec.from_string(device if "/" in device else f"/device:{device}")
+    spec = _device_spec(device)
     return f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+
+
+def default_device() -> str:
+    """The first logical GPU, else `"CPU:0"`."""
+    import tensorflow as tf
+
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def allocator_memory(device: str | None = None) -> dict | None:
+    """Current and peak bytes of TensorFlow's allocator on `device`, or None.
+
+    A GPU always has these figures; a CPU has them only under TensorFlow's
+    BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts).
+
+    Args:
+        device: str, a logical device such as `"GPU:0"`. Defaults to the
+            first GPU, else `"CPU:0"`.
+
+    Returns:
+        `{"device": ..., "current": bytes, "peak": bytes}`, or None where the
+        device gives no figures.
+
+    Example:
+
+    ```python
+    info = allocator_memory()
+    if info is not None:
+        print(format_bytes(info["peak"]), "peak on", info["device"])
+    ```
+    """
+    import tensorflow as tf
+
+    device = device or default_device()
+    try:
+        info = tf.config.experimental.get_memory_info(device)
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return None
+    return dict(device=device, current=info["current"], peak=info["peak"])
+
+
+# -- NVML ----------------------------------------------------------------------------------
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot answer; the message says why (and what to install)."""
+
+
+_nvml_module = None
+
+
+def nvml():
+    """The `pynvml` module of nvidia-ml-py, NVML initialised (once per process).
+
+    Raises:
+        NvmlUnavailable: if nvidia-ml-py is not installed or NVML does not
+            start (no NVIDIA driver).
+    """
+    global _nvml_module
+    if _nvml_module is None:
+        try:
+            import pynvml
+        except ImportError:
+            raise NvmlUnavailable(
+                "nvidia-ml-py is not installed (pip install keras_memopt[nvml])"
+            ) from None
+        try:
+            pynvml.nvmlInit()
+        except Exception as error:  # pynvml raises its own NVMLError family
+            raise NvmlUnavailable(f"NVML is not available: {error}") from None
+        _nvml_module = pynvml
+    return _nvml_module
+
+
+def nvml_handle_of_tf_gpu(index: int, device_name: str | None = None):
+    """The NVML handle of TensorFlow's physical GPU number `index`.
+
+    TensorFlow numbers the GPUs CUDA shows it: `CUDA_VISIBLE_DEVICES`
+    (indices or `GPU-` UUIDs) picks and orders them, while NVML numbers every
+    GPU of the machine. With `CUDA_VISIBLE_DEVICES` unset, TensorFlow's GPU
+    `index` is taken to be NVML's; that holds when CUDA orders GPUs by PCI bus
+    (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, or GPUs of one model), so where
+    `device_name` (TensorFlow's name for the GPU) is given, NVML's device must
+    bear the same name.
+
+    Raises:
+        NvmlUnavailable: if NVML is unavailable or the GPU cannot be told.
+    """
+    pynvml = nvml()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        entry = str(index)
+    else:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if index >= len(entries):
+            raise NvmlUnavailable(
+                f"TensorFlow's GPU {index} is not in CUDA_VISIBLE_DEVICES={visible!r}"
+            )
+        entry = entries[index]
+    try:
+        if entry.isdigit():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+        elif entry.startswith("GPU-"):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
+        else:
+            raise NvmlUnavailable(f"cannot find CUDA device {entry!r} in NVML")
+        name = _text(pynvml.nvmlDeviceGetName(handle))
+    except NvmlUnavailable:
+        raise
+    except Exception as error:  # NVMLError: no such device
+        raise NvmlUnavailable(f"NVML has no device {entry!r}: {error}") from None
+    if device_name is not None and name != device_name:
+        raise NvmlUnavailable(
+            f"TensorFlow's GPU {index} is a {device_name}, NVML's device {entry} a {name}: "
+            "set CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers GPUs as NVML does"
+        )
+    return handle
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# -- all figures as one dict -----------------------------------------------------------
 
 
 class MemoryReader:
     """Reads current and peak memory figures, in MiB, as one flat dict.
 
-    Three sources, each optional:
+    Three sources:
 
     - TensorFlow's allocator, per device: bytes in use now and the peak since
       the last reset (`tf.config.experimental.get_memory_info`). GPUs always
@@ -81,8 +230,8 @@ class MemoryReader:
       allocator there (`TF_CPU_ALLOCATOR_USE_BFC=true`).
     - The host process's resident set size (psutil).
     - NVML, where `nvidia-ml-py` is installed and finds GPUs: memory used and
-      total per physical GPU, which counts every process and the CUDA
-      context, not only TensorFlow's allocator.
+      total per physical GPU (numbered as NVML numbers them), which counts
+      every process and the CUDA context, not only TensorFlow's allocator.
 
     A figure that is not available is left out of `read()`; why is recorded
     once in `unavailable`.
@@ -102,6 +251,9 @@ class MemoryReader:
     model.fit(x, y, epochs=1)
     print(reader.read())  # {"memory_gpu0_current_mib": ..., "memory_gpu0_peak_mib": ...}
     ```
+
+    Raises:
+        ValueError: if `devices` is not a list of device names.
     """
 
     def __init__(self, devices: list[str] | None = None, host: bool = True, nvml: bool = True):
@@ -117,13 +269,15 @@ class MemoryReader:
         self.nvml = bool(nvml)
         self.unavailable: dict[str, str] = {}
         self._allocator_ok: dict[str, bool] = {}
-        self._process = None
+        self._process = psutil.Process() if self.host else None
         self._nvml_handles = None
 
     @property
     def devices(self) -> list[str]:
         """The logical devices whose allocator figures are read."""
         if self._devices is None:
+            import tensorflow as tf
+
             gpus = tf.config.list_logical_devices("GPU")
             self._devices = [_canonical(d.name) for d in gpus] or ["CPU:0"]
         return list(self._devices)
@@ -131,51 +285,29 @@ class MemoryReader:
     def _allocator(self, device):
         if self._allocator_ok.get(device) is False:
             return None
-        try:
-            info = tf.config.experimental.get_memory_info(device)
-        except (ValueError, RuntimeError, tf.errors.OpError) as error:
-            self._allocator_ok[device] = False
+        info = allocator_memory(device)
+        self._allocator_ok[device] = info is not None
+        if info is None:
             self.unavailable[f"allocator {device}"] = (
-                f"TensorFlow's allocator gives no memory figures for {device} ({error}). "
+                f"TensorFlow's allocator gives no memory figures for {device}. "
                 "On a CPU, set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts."
             )
-            return None
-        self._allocator_ok[device] = True
         return info
-
-    def _rss(self):
-        if self._process is None:
-            try:
-                import psutil
-
-                self._process = psutil.Process()
-            except ImportError:
-                self._process = False
-                self.unavailable["host"] = "psutil is not installed: no host RSS figure."
-        return None if self._process is False else self._process.memory_info().rss
 
     def _nvml(self):
         if self._nvml_handles is None:
             self._nvml_handles = []
             try:
-                import pynvml
-
-                pynvml.nvmlInit()
+                pynvml = nvml()
                 count = pynvml.nvmlDeviceGetCount()
                 self._nvml_handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-                self._pynvml = pynvml
-            except ImportError:
-                self.unavailable["nvml"] = (
-                    "nvidia-ml-py is not installed: no NVML figures "
-                    "(pip install keras_memopt[nvml])."
-                )
-            except Exception as error:  # pynvml raises its own NVMLError family
-                self.unavailable["nvml"] = f"NVML is not available: {error}."
+            except NvmlUnavailable as error:
+                self.unavailable["nvml"] = f"no NVML figures: {error}."
             if not self._nvml_handles and "nvml" not in self.unavailable:
                 self.unavailable["nvml"] = "NVML finds no GPUs."
         figures = {}
         for index, handle in enumerate(self._nvml_handles):
-            info = self._pynvml.nvmlDeviceGetMemoryInfo(handle)
+            info = nvml().nvmlDeviceGetMemoryInfo(handle)
             figures[f"memory_nvml{index}_used_mib"] = info.used / MIB
             figures[f"memory_nvml{index}_total_mib"] = info.total / MIB
         return figures
@@ -190,15 +322,15 @@ class MemoryReader:
                 figures[f"memory_{tag}_current_mib"] = info["current"] / MIB
                 figures[f"memory_{tag}_peak_mib"] = info["peak"] / MIB
         if self.host:
-            rss = self._rss()
-            if rss is not None:
-                figures["memory_host_rss_mib"] = rss / MIB
+            figures["memory_host_rss_mib"] = self._process.memory_info().rss / MIB
         if self.nvml:
             figures.update(self._nvml())
         return figures
 
     def reset_peaks(self):
         """Starts a new peak window on every device that has allocator figures."""
+        import tensorflow as tf
+
         for device in self.devices:
             if self._allocator(device) is not None:
                 tf.config.experimental.reset_memory_stats(device)

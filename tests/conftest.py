@@ -9,8 +9,6 @@ Tests that need a memory *limit* run in a subprocess (`run_python`).
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -24,36 +22,33 @@ import tensorflow as tf  # noqa: E402
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
+from keras_memopt import _subprocess  # noqa: E402
+
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+
+# Tests that read the CPU's allocator as "the device", or expect a machine
+# without GPUs (no figures for "GPU:0", configure_devices warning), say so.
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+without_gpu = pytest.mark.skipif(
+    HAS_GPU, reason="expects a machine without GPUs (reads the CPU as the device)"
+)
 
 
 def run_python(code, memory_limit_mb=None, timeout=600, env=None):
     """Runs `code` in a fresh Python with a memory-limited TF CPU allocator.
 
-    Returns the completed process; fails the test with its output if the
-    process exits non-zero.
+    Returns the child's `Output` (`.stdout`, `.stderr`, `.returncode`);
+    fails the test with its output if the child exits non-zero or runs past
+    `timeout` seconds (it is killed).
     """
-    child_env = dict(os.environ)
-    child_env.update(
-        TF_CPP_MIN_LOG_LEVEL="3",
-        TF_ENABLE_ONEDNN_OPTS="0",
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(memory_limit_mb or 16384),
-    )
-    child_env.update(env or {})
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"subprocess exited with {result.returncode}\n"
-            f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
-        )
-    return result
+    child_env = {**_subprocess.tensorflow_env(memory_limit_mb or 16384), **(env or {})}
+    try:
+        output = _subprocess.run(["-c", textwrap.dedent(code)], env=child_env, timeout=timeout)
+    except _subprocess.ChildFailed as error:
+        pytest.fail(str(error))
+    if output.returncode != 0:
+        pytest.fail(f"subprocess exited with {output.returncode}\n{output.tail(4000)}")
+    return output
 
 
 def peak_bytes_of_fit(model, x, y, batch_size):

@@ -1,8 +1,11 @@
+import _fake_nvml
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import without_gpu
 
-from keras_memopt.memory import MemoryReader, format_bytes, parse_bytes
+from keras_memopt import memory
+from keras_memopt.memory import MemoryReader, allocator_memory, format_bytes, parse_bytes
 
 
 class TestParseBytes:
@@ -57,17 +60,28 @@ class TestMemoryReader:
             figures["memory_cpu0_peak_mib"], figures["memory_cpu0_current_mib"], atol=0.5
         )
 
+    @without_gpu
     def test_device_without_figures_is_left_out_with_a_reason(self):
         reader = MemoryReader(["GPU:0"], host=False, nvml=False)
         assert reader.read() == {}
         assert "allocator GPU:0" in reader.unavailable
         reader.reset_peaks()  # does nothing, raises nothing
 
-    def test_nvml_absent_is_recorded_not_raised(self):
+    def test_nvml_figures_per_gpu(self, monkeypatch):
+        _fake_nvml.install(monkeypatch, count=2)
+        figures = MemoryReader(["CPU:0"], host=False, nvml=True).read()
+        nvml = {name: value for name, value in figures.items() if "nvml" in name}
+        # The fakes use a quarter of 8 and 16 GiB.
+        assert nvml == {"memory_nvml0_used_mib": 2048.0, "memory_nvml0_total_mib": 8192.0,
+                        "memory_nvml1_used_mib": 4096.0, "memory_nvml1_total_mib": 16384.0}
+
+    def test_nvml_absent_is_recorded_not_raised(self, monkeypatch):
+        _fake_nvml.uninstall(monkeypatch)
         reader = MemoryReader(["CPU:0"], host=False, nvml=True)
-        figures = reader.read()
-        if not any(name.startswith("memory_nvml") for name in figures):
-            assert "nvml" in reader.unavailable
+        assert not any("nvml" in name for name in reader.read())
+        assert reader.unavailable["nvml"] == (
+            "no NVML figures: nvidia-ml-py is not installed (pip install keras_memopt[nvml])."
+        )
 
     def test_second_logical_cpu(self):
         figures = MemoryReader(["CPU:1"], host=False, nvml=False).read()
@@ -76,3 +90,39 @@ class TestMemoryReader:
     def test_devices_must_be_a_list(self):
         with pytest.raises(ValueError, match="Received: devices='CPU:0'"):
             MemoryReader("CPU:0")
+
+
+class TestAllocatorMemory:
+    def test_cpu_figures_under_the_bfc_allocator(self):
+        with tf.device("CPU:0"):
+            kept = tf.ones((2**20 // 4,), tf.float32) * 3.0  # 1 MiB in use while read
+            info = allocator_memory("CPU:0")
+        assert info["device"] == "CPU:0"
+        assert info["current"] >= 2**20 and info["peak"] >= info["current"]
+        del kept
+
+    @without_gpu
+    def test_default_device_is_the_cpu_without_gpus(self):
+        assert allocator_memory()["device"] == "CPU:0"
+
+    def test_device_without_figures_gives_none(self):
+        assert allocator_memory("GPU:7") is None
+
+
+class TestNvml:
+    def test_initialised_once(self, monkeypatch):
+        fake = _fake_nvml.install(monkeypatch, count=1)
+        assert memory.nvml() is fake and memory.nvml() is fake
+        assert fake.initialised == 1
+
+    def test_missing_package_says_what_to_install(self, monkeypatch):
+        _fake_nvml.uninstall(monkeypatch)
+        with pytest.raises(memory.NvmlUnavailable, match=r"pip install keras_memopt\[nvml\]"):
+            memory.nvml()
+
+    def test_tensorflows_gpu_outside_cuda_visible_devices(self, monkeypatch):
+        _fake_nvml.install(monkeypatch, count=2)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+        assert memory.nvml_handle_of_tf_gpu(0) == 1
+        with pytest.raises(memory.NvmlUnavailable, match="GPU 1 is not in CUDA_VISIBLE_DEVICES"):
+            memory.nvml_handle_of_tf_gpu(1)

@@ -4,6 +4,8 @@ import warnings
 
 import numpy as np
 import pytest
+import tensorflow as tf
+from conftest import without_gpu
 
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import MemoryLogger
@@ -57,6 +59,7 @@ class TestLogs:
         assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
         assert {"memory_cpu0_peak_mib", "memory_cpu1_peak_mib"} <= set(rows[0])
 
+    @without_gpu
     def test_unavailable_figure_is_said_once(self, keras_module):
         logger = MemoryLogger(devices=["GPU:0"])
         x, y = _data()
@@ -67,12 +70,42 @@ class TestLogs:
         said = [w for w in caught if "no memory figures for GPU:0" in str(w.message)]
         assert len(said) == 1
 
-    def test_plot_and_tensorboard_files(self, keras_module, tmp_path):
-        plot, board = tmp_path / "memory.png", tmp_path / "board"
-        _fit(_model(keras_module), [MemoryLogger(plot=str(plot), tensorboard_dir=str(board),
-                                                 every_n_batches=1)])
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert any(name.startswith("events.out.tfevents") for name in os.listdir(board))
+    def test_plot_draws_each_series(self, keras_module, tmp_path):
+        import matplotlib.image
+
+        plot = tmp_path / "memory.png"
+        logger = MemoryLogger(plot=str(plot), every_n_batches=1, devices=["CPU:0"])
+        _fit(_model(keras_module), [logger])
+        image = matplotlib.image.imread(str(plot))
+        assert image.shape == (450, 800, 4)  # 8 x 4.5 inches at 100 dpi
+        pixels = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
+        # One line per series in matplotlib's colour cycle: the CPU's peak
+        # (C0, #1f77b4) and the host RSS (C1, #ff7f0e), each a polyline
+        # across the plot, hundreds of pixels long.
+        for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
+            assert np.sum(np.all(np.abs(pixels - colour) <= 8, axis=1)) > 300, colour
+        # Nothing else is plotted: no third colour of the cycle (C2, #2ca02c).
+        assert not np.any(np.all(np.abs(pixels - (0x2C, 0xA0, 0x2C)) <= 8, axis=1))
+        assert len(logger.rows) == 8 and {"memory_cpu0_peak_mib", "memory_host_rss_mib"} <= set(
+            logger.rows[0]
+        )
+
+    def test_tensorboard_scalars_are_the_rows(self, keras_module, tmp_path):
+        board = tmp_path / "board"
+        logger = MemoryLogger(tensorboard_dir=str(board), every_n_batches=2, devices=["CPU:0"])
+        _fit(_model(keras_module), [logger])
+        (events,) = [board / name for name in os.listdir(board)]
+        points = {}
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            for value in event.summary.value:
+                assert value.metadata.plugin_data.plugin_name == "scalars"
+                points.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor)))
+                )
+        expected = [(row["step"], row["memory_cpu0_peak_mib"]) for row in logger.rows]
+        assert [step for step, _ in points["memory_cpu0_peak_mib"]] == [2, 4, 6, 8]
+        np.testing.assert_allclose(points["memory_cpu0_peak_mib"], expected, rtol=1e-6)
+        assert set(points) == set(logger.rows[0]) - {"epoch", "batch", "step"}
 
 
 class TestFileSafety:
@@ -102,6 +135,24 @@ class TestFileSafety:
         path = str(tmp_path / "memory.csv")
         with pytest.raises(FileExistsError, match="Another MemoryLogger"):
             _fit(_model(keras_module), [MemoryLogger(path), MemoryLogger(path, overwrite=True)])
+
+    def test_a_failed_fit_lets_go_of_its_files(self, keras_module, tmp_path):
+        path = tmp_path / "memory.csv"
+
+        class Fails(keras_module.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                raise RuntimeError("the run broke")
+
+        model = _model(keras_module)
+        with pytest.raises(RuntimeError, match="the run broke"):
+            _fit(model, [MemoryLogger(str(path)), Fails()])
+        # Keras called no on_train_end; another logger may now take the file.
+        _fit(model, [MemoryLogger(str(path), overwrite=True)], epochs=1)
+        assert len(path.read_text().splitlines()) == 1 + 1
+        # Two loggers in one fit are still refused.
+        with pytest.raises(FileExistsError, match="Another MemoryLogger"):
+            _fit(model, [MemoryLogger(str(path), overwrite=True),
+                         MemoryLogger(str(path), overwrite=True)])
 
     def test_reused_logger_continues_its_own_file(self, keras_module, tmp_path):
         path = tmp_path / "memory.csv"

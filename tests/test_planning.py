@@ -1,12 +1,12 @@
-import subprocess
 from unittest import mock
 
 import numpy as np
 import pytest
 from conftest import run_python
 
-from keras_memopt import AccumulatingModel, planning
-from keras_memopt.planning import MemoryPlanner, _Calibration
+from keras_memopt import AccumulatingModel, _subprocess
+from keras_memopt.planning import MemoryPlanner
+from keras_memopt.planning.calibration import Calibration
 
 
 def _mlp(keras, width=64):
@@ -54,6 +54,13 @@ class TestEstimate:
         with pytest.raises(ValueError, match="must be built"):
             MemoryPlanner(model)
 
+    def test_unknown_input_shape_is_refused_at_construction(self, keras_module):
+        inputs = keras_module.Input((None, 8))  # sequences of any length
+        hidden = keras_module.layers.Dense(4)(inputs)
+        model = keras_module.Model(inputs, keras_module.layers.GlobalAveragePooling1D()(hidden))
+        with pytest.raises(ValueError, match=r"fixed input shapes .* Received: input shapes"):
+            MemoryPlanner(model)
+
     def test_not_a_model_is_refused(self):
         with pytest.raises(TypeError, match="must be a `keras.Model`"):
             MemoryPlanner("model.keras")
@@ -86,8 +93,14 @@ class TestPlan:
         one = planner.estimate(64, 1)
         tight = (one.peak - one.activations - one.input_batch // 2) / 0.9
         plan = planner.plan(64, int(tight))
-        assert not plan.fits and plan.micro_batch_size == 1
+        assert not plan.fits and plan.micro_batch_size == 1 and plan.remat == "auto"
         assert "Not even a micro-batch of one sample fits" in plan.note
+
+    def test_table_says_the_figures_are_from_shapes_and_counts_micro_batches(self, keras_module):
+        table = MemoryPlanner(_mlp(keras_module)).plan(64, "1GiB").table()
+        assert "peak (shapes only)" in table
+        assert "estimated from shapes alone" in table
+        assert "(1 micro-batch of a batch of 64)" in table
 
     def test_bad_batch_size_is_refused(self, keras_module):
         with pytest.raises(ValueError, match="Received: batch_size=0"):
@@ -98,7 +111,8 @@ class TestProfile:
     def test_profile_calibrates_without_touching_the_model(self, keras_module):
         model = _mlp(keras_module, width=256)
         weights = [w.copy() for w in model.get_weights()]
-        planner = MemoryPlanner(model, optimizer="adam", device="CPU:0")
+        # In this process: isolation has tests of its own.
+        planner = MemoryPlanner(model, optimizer="adam", device="CPU:0", isolate=False)
         measured = planner.profile((8, 32))
         for before, after in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(before, after)
@@ -142,11 +156,11 @@ class TestIsolation:
     """On a CPU, `profile()` measures each size in a fresh process by default."""
 
     def test_a_measurement_is_that_of_a_fresh_training_process(self, keras_module):
-        planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam")
-        with mock.patch.object(planning.subprocess, "run", wraps=subprocess.run) as run:
+        planner = MemoryPlanner(_mlp(keras_module, width=1024), optimizer="adam", device="CPU:0")
+        with mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call:
             measured = planner.profile((64, 512), batch_size=512)
-        assert [c.args[0][1:] for c in run.call_args_list] == [
-            ["-m", "keras_memopt._profile_child"]
+        assert [c.args[0] for c in call.call_args_list] == [
+            "keras_memopt.planning.measure:measure_in_child"
         ] * 2
         # The same steps in a fresh process of their own, as training would run them.
         result = run_python(
@@ -154,14 +168,14 @@ class TestIsolation:
             import tensorflow as tf
             from keras_memopt import AccumulatingModel
             from keras_memopt._keras import keras
-            from keras_memopt.planning import _synthetic_batch
+            from keras_memopt.planning.measure import synthetic_batch
 
             before = tf.config.experimental.get_memory_info("CPU:0")["current"]
             inputs = keras.Input((32,))
             hidden = keras.layers.Dense(1024, activation="relu")(inputs)
             model = AccumulatingModel(inputs, keras.layers.Dense(4)(hidden), micro_batch_size=512)
             model.compile(optimizer="adam", loss="mse")
-            x, y = _synthetic_batch(model, 512)
+            x, y = synthetic_batch(model, 512)
             model.train_on_batch(x, y)
             tf.config.experimental.reset_memory_stats("CPU:0")
             for _ in range(2):
@@ -182,12 +196,19 @@ class TestIsolation:
 
         inputs = keras_module.Input((32,))
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(Doubler()(inputs)))
-        with pytest.warns(UserWarning, match="measures in this process") as caught:
-            measured = MemoryPlanner(model).profile((8, 16))
+        planner = MemoryPlanner(model, device="CPU:0")
+        with (
+            pytest.warns(UserWarning, match="the subprocess cannot rebuild it") as caught,
+            mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call,
+        ):
+            measured = planner.profile((8, 16))
         assert {w.filename for w in caught} == {__file__}  # points at the caller
-        assert all(peak > 0 for peak in measured.values())
-        with pytest.raises(RuntimeError, match="Pass `isolate=False`"):
-            MemoryPlanner(model, isolate=True).profile((8, 16))
+        assert call.call_count == 1  # the second size is not tried in a fresh process
+        for size, peak in measured.items():  # measured here, and calibrating
+            assert peak > 0 and planner.estimate(size, size).peak == peak
+        with pytest.raises(RuntimeError, match=r"cannot measure in a fresh process: .*"
+                           r"Pass `isolate=False`.*Received: isolate=True"):
+            MemoryPlanner(model, device="CPU:0", isolate=True).profile((8, 16))
 
     def test_isolate_must_be_a_bool_or_none(self, keras_module):
         with pytest.raises(TypeError, match="Received: isolate='yes'"):
@@ -196,7 +217,7 @@ class TestIsolation:
 
 class TestCalibration:
     def _calibration(self):
-        calibration = _Calibration(per_batch_sample=10.0, min_slope=100.0)
+        calibration = Calibration(per_batch_sample=10.0, min_slope=100.0)
         for micro, peak in ((8, 10_000), (16, 12_000), (32, 20_000)):
             calibration.record(256, micro, peak)
         return calibration
@@ -213,7 +234,7 @@ class TestCalibration:
         )
 
     def test_slope_is_never_below_the_shape_estimate(self):
-        calibration = _Calibration(per_batch_sample=0.0, min_slope=100.0)
+        calibration = Calibration(per_batch_sample=0.0, min_slope=100.0)
         calibration.record(64, 8, 10_000)
         calibration.record(64, 16, 9_000)  # measurement noise: a falling peak
         np.testing.assert_allclose(calibration.peak_at(64, 32), 9_000 + 16 * 100)
@@ -281,3 +302,17 @@ class TestProfiledPlan:
         assert fits == "True", result.stdout
         assert float(failed) <= 8192, result.stdout
         assert int(micro) < float(failed)
+
+
+class TestBytes:
+    def test_unknown_dimensions_are_not_guessed_unless_asked(self, keras_module):
+        from keras_memopt.planning.estimate import bytes_if_known, bytes_per_sample
+
+        assert bytes_if_known((3, 4), "float32") == 48
+        assert bytes_if_known((3, None), "float16") is None
+        assert bytes_if_known((3, None), "float16", unknown_dim=1) == 6
+        fixed = keras_module.Input((8, 2))
+        ragged = keras_module.Input((None, 2), dtype="int64")
+        assert bytes_per_sample([fixed]) == 64  # the batch axis is dropped
+        assert bytes_per_sample([fixed, ragged]) is None
+        assert bytes_per_sample([fixed, ragged], unknown_dim=1) == 64 + 16

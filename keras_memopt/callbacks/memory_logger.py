@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
+import threading
 import warnings
 
 import tensorflow as tf
@@ -13,29 +15,62 @@ from keras_memopt._keras import keras
 from keras_memopt._validation import positive_int
 from keras_memopt.memory import MemoryReader
 
-# Files that a live logger is writing, so that a second logger in the same
-# process cannot silently overwrite them mid-run.
-_FILES_IN_USE: dict[str, object] = {}
-
+# What `tf.summary.scalar` writes. That function is TensorBoard's, and
+# TensorFlow (2.21) no longer installs TensorBoard: without it,
+# `tf.summary.scalar` raises TBNotInstalledError. `tf.summary.write` with the
+# scalar plugin's metadata writes the same events.
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 )
+
+
+@dataclasses.dataclass
+class _Claim:
+    """A logger's hold on a file for one `fit` call.
+
+    Keras calls no `on_train_end` when `fit` raises, so a claim outlives a
+    failed `fit`; it blocks another logger only while its `fit` may still be
+    running. Keras hands every callback of one `fit` call the same `params`
+    dict, which tells two loggers of one `fit` apart from loggers of two. In
+    one thread, `fit` calls run one after another, so a claim made there by
+    another `fit` is from one that has ended (a `fit` nested inside another's
+    callback is not told apart). A claim from another thread blocks while
+    that thread lives: its `fit` may be running.
+    """
+
+    owner: object
+    fit: object  # the `params` of the `fit` call that made the claim
+    thread: int
+
+    def blocks(self, logger) -> bool:
+        if self.owner is logger:
+            return False
+        if self.fit is logger.params:
+            return True  # two loggers in one fit
+        if self.thread == threading.get_ident():
+            return False  # that fit has ended, normally or by an exception
+        return any(thread.ident == self.thread for thread in threading.enumerate())
+
+
+# Files that loggers are writing, so that a second logger in the same process
+# cannot silently overwrite them mid-run.
+_FILES_IN_USE: dict[str, _Claim] = {}
 
 
 def _claim(path, owner, overwrite, append, what):
     if path is None:
         return None
     path = os.path.abspath(os.fspath(path))
-    if path in owner._written:
-        return path  # A reused logger continues its own file.
     holder = _FILES_IN_USE.get(path)
-    if holder is not None and holder is not owner:
+    if holder is not None and holder.blocks(owner):
         raise FileExistsError(
             f"Another MemoryLogger is writing {path} in this run; two loggers "
             f"cannot share one {what}. Give each its own file. Received: "
             f"{what}={path!r}"
         )
-    if holder is None and os.path.exists(path) and not (overwrite or append):
+    if path in owner._written:
+        return path  # A reused logger continues its own file.
+    if os.path.exists(path) and not (overwrite or append):
         raise FileExistsError(
             f"The {what} {path} already exists and MemoryLogger does not "
             "overwrite files unless asked: pass `overwrite=True` to replace it"
@@ -67,7 +102,8 @@ class MemoryLogger(keras.callbacks.Callback):
     Files are never overwritten silently: an existing `filename` or `plot`
     raises `FileExistsError` at the start of training unless `overwrite=True`
     (or, for the CSV file, `append=True`), and two loggers cannot write one
-    file. Nothing is written outside the paths given.
+    file at the same time (a `fit` that raised holds its files no longer).
+    Nothing is written outside the paths given.
 
     Args:
         filename: str or path, a CSV file for the logger's own rows. Defaults
@@ -173,8 +209,6 @@ class MemoryLogger(keras.callbacks.Callback):
         if self._writer is not None:
             with self._writer.as_default():
                 for name, value in figures.items():
-                    # What `tf.summary.scalar` writes, without needing the
-                    # tensorboard package installed.
                     tf.summary.write(
                         name, tf.constant(value, tf.float32), step=self._step,
                         metadata=_SCALAR_METADATA,
@@ -232,7 +266,7 @@ class MemoryLogger(keras.callbacks.Callback):
         plot_path = _claim(self.plot, self, self.overwrite, False, "plot")
         for path in (csv_path, plot_path):
             if path is not None:
-                _FILES_IN_USE[path] = self
+                _FILES_IN_USE[path] = _Claim(self, self.params, threading.get_ident())
                 self._files.append(path)
         self._csv_path, self._plot_path = csv_path, plot_path
         # A reused instance keeps adding to its own file.
@@ -288,6 +322,7 @@ class MemoryLogger(keras.callbacks.Callback):
 
     def _release(self):
         for path in self._files:
-            if _FILES_IN_USE.get(path) is self:
+            claim = _FILES_IN_USE.get(path)
+            if claim is not None and claim.owner is self:
                 del _FILES_IN_USE[path]
         self._files = []

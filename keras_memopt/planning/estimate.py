@@ -1,0 +1,274 @@
+"""The shape-only estimate: what a train step holds, counted from shapes and dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from keras_memopt import _keras as K
+
+keras = K.keras
+
+# Optimizer state per trainable variable, in copies of the variable, by class
+# name; `None` means "read the optimizer's configuration".
+_SLOTS = {
+    "SGD": None,
+    "Adam": None,
+    "AdamW": None,
+    "Adamax": 2,
+    "Nadam": 2,
+    "Lamb": 2,
+    "Lion": 1,
+    "Adagrad": 1,
+    "Adadelta": 2,
+    "Ftrl": 2,
+    "RMSprop": None,
+    "Adafactor": 0,  # factored: its state is far smaller than the variables
+}
+
+# Copies of a layer's output that its backward pass keeps alive, per layer
+# class, beyond the output itself (dropout keeps its mask, layer normalisation
+# its centred input and statistics, GELU its intermediate terms).
+_EXTRA_COPIES = {
+    "Dropout": 1.0,
+    "LayerNormalization": 2.0,
+    "BatchNormalization": 1.0,
+    "GroupNormalization": 2.0,
+}
+
+# Activations whose gradient needs more than the layer's output.
+_COSTLY_ACTIVATIONS = ("gelu", "swish", "silu", "elu", "selu", "tanh", "sigmoid", "softmax")
+
+
+def optimizer_slot_copies(optimizer) -> float:
+    """Copies of the trainable variables that `optimizer` keeps as its state."""
+    if optimizer is None:
+        return 0.0
+    config = optimizer.get_config()
+    name = type(optimizer).__name__
+    if name == "LossScaleOptimizer":
+        return optimizer_slot_copies(getattr(optimizer, "inner_optimizer", None))
+    if name == "SGD":
+        copies = 1.0 if config.get("momentum") else 0.0
+    elif name in ("Adam", "AdamW"):
+        copies = 3.0 if config.get("amsgrad") else 2.0
+    elif name == "RMSprop":
+        copies = 1.0 + bool(config.get("momentum")) + bool(config.get("centered"))
+    elif name in _SLOTS:
+        copies = float(_SLOTS[name])
+    else:
+        # Unknown optimizer: Adam's two slots is the common case.
+        copies = 2.0
+    return copies + (1.0 if config.get("use_ema") else 0.0)
+
+
+def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
+    """Bytes of a tensor of `shape` and `dtype`.
+
+    Args:
+        shape: the dimensions; None for an unknown one.
+        dtype: the element type.
+        unknown_dim: int, the size to count an unknown dimension as.
+            Defaults to None: an unknown dimension makes the result None,
+            since there is no honest number (the planner refuses such
+            shapes; a caller that only compares sizes may count them as 1).
+    """
+    size = 1
+    for dim in shape:
+        if dim is None:
+            if unknown_dim is None:
+                return None
+            dim = unknown_dim
+        size *= int(dim)
+    return size * tf.as_dtype(dtype).size
+
+
+def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
+    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
+
+    None if a dimension but the batch axis is unknown, unless `unknown_dim`
+    says what to count it as (see `bytes_if_known`).
+    """
+    total = 0
+    for tensor in tf.nest.flatten(tensors):
+        size = bytes_if_known(tuple(tensor.shape)[1:], tensor.dtype, unknown_dim)
+        if size is None:
+            return None
+        total += size
+    return total
+
+
+def _leaf_layers(model):
+    for layer in model.layers:
+        if isinstance(layer, keras.Model) and hasattr(layer, "layers") and layer.layers:
+            yield from _leaf_layers(layer)
+        elif type(layer).__name__ != "InputLayer":
+            yield layer
+
+
+def _layer_activations(layer):
+    """(bytes per sample the backward pass keeps for `layer`, note)."""
+    try:
+        output = layer.output
+    except (AttributeError, ValueError, RuntimeError):
+        return 0, "output shape unknown (layer used more than once?)"
+    per_sample = bytes_per_sample(output)
+    if per_sample is None:
+        return 0, "dynamic output shape"
+    name = type(layer).__name__
+    if name == "MultiHeadAttention":
+        return _attention_activations(layer, output, per_sample), ""
+    copies = 1.0 + _EXTRA_COPIES.get(name, 0.0)
+    activation = getattr(getattr(layer, "activation", None), "__name__", None)
+    if activation in _COSTLY_ACTIVATIONS:
+        copies += 1.0
+    return int(per_sample * copies), ""
+
+
+def _attention_activations(layer, output, output_bytes):
+    # Query, key and value projections, the attention logits and their
+    # softmax (and dropout), the attended values and the output projection.
+    heads = layer.num_heads
+    key_dim = layer.key_dim
+    value_dim = layer.value_dim or key_dim
+    length = output.shape[1] if len(output.shape) == 3 else 1
+    itemsize = tf.as_dtype(output.dtype).size
+    projections = length * heads * (2 * key_dim + 2 * value_dim) * itemsize
+    scores = heads * length * length * itemsize * (3 if layer.dropout else 2)
+    return int(projections + scores + output_bytes)
+
+
+def known_inputs(model):
+    """The model's (inputs, outputs), or (None, None) where it has none (subclassed)."""
+    try:
+        return model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        return None, None
+
+
+def layer_table(model) -> list[tuple[str, str, int, str]]:
+    """(layer name, class, activation bytes per sample, note) for each leaf layer."""
+    inputs, _ = known_inputs(model)
+    if not inputs:
+        return []
+    rows = []
+    for layer in _leaf_layers(model):
+        size, note = _layer_activations(layer)
+        rows.append((layer.name, type(layer).__name__, size, note))
+    return rows
+
+
+def input_bytes_per_sample(model) -> int:
+    """Bytes of one sample of the inputs plus its (sparse) target.
+
+    Raises:
+        ValueError: if the model has no known inputs (a subclassed model), or
+            an input shape is unknown apart from the batch axis.
+    """
+    inputs, outputs = known_inputs(model)
+    if not inputs:
+        raise ValueError(
+            "The planner needs a model with known inputs: a functional or "
+            "Sequential model, or `AccumulatingModel.from_model(model)` of "
+            f"a built subclassed model. Received: model={model.name!r}"
+        )
+    size = bytes_per_sample(inputs)
+    if size is None:
+        raise ValueError(
+            "The planner needs fixed input shapes apart from the batch "
+            "axis. Received: input shapes "
+            f"{[tuple(t.shape) for t in tf.nest.flatten(inputs)]}"
+        )
+    # Targets are counted as one class index per output row.
+    for output in tf.nest.flatten(outputs):
+        rows = bytes_if_known(tuple(output.shape)[1:-1], "int32")
+        size += rows or 4
+    return size
+
+
+@dataclasses.dataclass
+class WeightBytes:
+    """What a train step holds whatever the batch: bytes of the model's variables."""
+
+    parameters: int
+    optimizer_slots: int
+    gradient_accumulators: int
+    micro_gradients: int
+
+    @classmethod
+    def of(cls, model, optimizer) -> WeightBytes:
+        trainable = model.trainable_weights
+        grads = sum(bytes_if_known(v.shape, v.dtype) for v in trainable)
+        # Accumulators are float32 even where the variables are narrower.
+        accumulators = sum(
+            bytes_if_known(v.shape, "float32" if tf.as_dtype(v.dtype).size < 4 else v.dtype)
+            for v in trainable
+        )
+        return cls(
+            parameters=sum(bytes_if_known(v.shape, v.dtype) for v in model.weights),
+            optimizer_slots=int(optimizer_slot_copies(optimizer) * grads),
+            gradient_accumulators=accumulators,
+            micro_gradients=grads,
+        )
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters + self.optimizer_slots
+            + self.gradient_accumulators + self.micro_gradients
+        )
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """The parts of one train step's peak memory, in bytes.
+
+    `calibrated` says which kind of figure `peak` is: False, counted from
+    shapes alone (TensorFlow's own working memory is not in it); True, read
+    from measured train steps (`overhead` is then what the measurement adds
+    to the counted parts).
+    """
+
+    batch_size: int
+    micro_batch_size: int
+    parameters: int
+    optimizer_slots: int
+    gradient_accumulators: int
+    micro_gradients: int
+    input_batch: int
+    activations: int
+    overhead: int = 0
+    calibrated: bool = False
+
+    @property
+    def peak(self) -> int:
+        return (
+            self.parameters
+            + self.optimizer_slots
+            + self.gradient_accumulators
+            + self.micro_gradients
+            + self.input_batch
+            + self.activations
+            + self.overhead
+        )
+
+    def rows(self):
+        """(part, bytes) rows for a table, the peak last."""
+        parts = [
+            ("parameters", self.parameters),
+            ("optimizer slots", self.optimizer_slots),
+            ("gradient accumulators", self.gradient_accumulators),
+            ("micro-batch gradients", self.micro_gradients),
+            (f"input batch ({_samples(self.batch_size)})", self.input_batch),
+            (f"activations ({_samples(self.micro_batch_size)})", self.activations),
+        ]
+        if self.overhead or self.calibrated:
+            parts.append(("measured, not counted above", self.overhead))
+        kind = "measured" if self.calibrated else "shapes only"
+        parts.append((f"peak ({kind})", self.peak))
+        return parts
+
+
+def _samples(count):
+    return f"{count} sample" + ("" if count == 1 else "s")

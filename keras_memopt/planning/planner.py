@@ -1,0 +1,493 @@
+"""`MemoryPlanner`: estimate, measure and plan the memory of a micro-batched train step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+
+import tensorflow as tf
+
+from keras_memopt import _keras as K
+from keras_memopt._validation import positive_int
+from keras_memopt.memory import format_bytes, parse_bytes
+from keras_memopt.planning import estimate as _estimate
+from keras_memopt.planning import measure as _measure
+from keras_memopt.planning.calibration import Calibration
+
+keras = K.keras
+
+# The share of the budget to keep free when the figures come from shapes
+# alone. Shapes miss TensorFlow's own working memory, most of all the CPU
+# convolution kernels': benchmarks/planner_accuracy.py's small CNN (README,
+# "Planner accuracy", one inter-op thread) peaked up to 3.0 times its
+# shapes-only estimate (54.7 MiB measured, 18.3 estimated, batch 64), and
+# with TensorFlow's default threading, which is how training runs, up to 4.7
+# times (85.5 MiB measured in fresh processes; 2 cores, 2026-11). An
+# estimate kept within a fifth of the budget keeps that promise.
+SHAPES_ONLY_MARGIN = 0.8
+# After measuring near the recommendation, the same setting's peak still
+# spreads from process to process (up to 16% on the CPU, one inter-op thread).
+MEASURED_MARGIN = 0.1
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """A recommended micro-batch setting for a batch size and a budget.
+
+    Args:
+        batch_size: int, the effective batch planned for.
+        budget: int, the memory available, in bytes.
+        micro_batch_size: int, the recommended samples per micro-batch.
+        remat: str or None, the recommended `remat` setting.
+        estimate: `MemoryEstimate` of the recommended setting; its
+            `calibrated` says whether the peak was measured or counted from
+            shapes alone.
+        fits: bool, whether the estimate fits the budget less its margin.
+        note: str, what else the plan has to say.
+    """
+
+    batch_size: int
+    budget: int
+    micro_batch_size: int | None
+    remat: str | None
+    estimate: _estimate.MemoryEstimate
+    fits: bool
+    note: str = ""
+
+    def table(self) -> str:
+        """The plan as a readable text table."""
+        rows = self.estimate.rows()
+        width = max(len(name) for name, _ in rows) + 2
+        lines = [f"{name:<{width}}{format_bytes(size):>12}" for name, size in rows]
+        lines.append(f"{'budget':<{width}}{format_bytes(self.budget):>12}")
+        lines.append("")
+        lines.append(
+            f"recommendation: micro_batch_size={self.micro_batch_size}, remat={self.remat!r}"
+            + self._split()
+        )
+        if not self.estimate.calibrated:
+            lines.append(
+                "The peak is estimated from shapes alone: TensorFlow's own working "
+                "memory is not in it (on a CPU, a small CNN's true peak was up to "
+                "4.7 times such an estimate). Measure it: `plan(..., profile=True)`, "
+                "or `keras-memopt plan` without `--no-profile`."
+            )
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    def _split(self):
+        if not self.micro_batch_size:
+            return ""
+        steps = math.ceil(self.batch_size / self.micro_batch_size)
+        unit = "micro-batch" if steps == 1 else "micro-batches"
+        return f"  ({steps} {unit} of a batch of {self.batch_size})"
+
+
+class MemoryPlanner:
+    """Estimates and plans the peak memory of training a model in micro-batches.
+
+    The estimate counts what an `AccumulatingModel` train step holds at its
+    peak: the parameters, the optimizer's slots, the float32 gradient
+    accumulators, one micro-batch's gradients, the whole input batch (the
+    effective batch arrives at once) and the activations that one
+    micro-batch's backward pass keeps, layer by layer.
+
+    An estimate from shapes alone misses what TensorFlow adds (workspace,
+    allocator rounding, copies a kernel makes): on a CPU, convolutions hold
+    tens of MiB that no shape shows. `profile()` runs real train steps on a
+    copy of the model and records the allocator's peak at each (batch,
+    micro-batch) size it measures; `estimate()` then interpolates between the
+    measured sizes, so its figures are close where it has measured nearby and
+    an extrapolation elsewhere. `plan(..., profile=True)` measures where it
+    matters: at the micro-batch size it is about to recommend, for the batch
+    size asked about, until its recommendation is a measured size.
+
+    Where it measures: the allocator's bytes in use depend on what was
+    allocated and freed before, and in which order, so a copy trained in a
+    process where other copies trained before can peak 15-25% away from the
+    same step in a fresh process, which is what training will run in. So by
+    default, on a CPU, each measurement runs in a fresh Python process (a
+    subprocess that rebuilds the model from `model.to_json()` with fresh
+    weights, with this process's environment, threading and precision
+    policy, and TensorFlow's BFC allocator on the CPU, which reports the
+    figures; a few seconds each). Models that cannot be rebuilt there (a
+    subclassed model without `get_config`, a custom layer the subprocess
+    cannot import) are measured in this process instead, with a warning. On
+    a GPU, measurements run in this process: it holds the GPU's memory.
+
+    Peaks are not exactly reproducible even so: on a CPU, the same step's
+    peak in fresh processes spread by up to 31% (a small CNN, default
+    threading; up to 16% with one inter-op thread): independent ops' working
+    memory overlaps or not, and the first (tracing) step leaves more or less
+    allocated, from run to run. Keep `plan()`'s `margin` for that.
+
+    Args:
+        model: a built `keras.Model` (an `AccumulatingModel` or a plain model)
+            with known inputs of fixed shape but for the batch axis.
+        optimizer: the optimizer to plan for: an instance or a name such as
+            `"adam"`. Defaults to the model's compiled optimizer, or Adam.
+        device: str, the device `profile()` measures on. Defaults to `"GPU:0"`
+            where there is a GPU, else `"CPU:0"`.
+        isolate: bool, whether `profile()` measures each size in a fresh
+            process. Defaults to `None`: yes on a CPU, no on a GPU. `True`
+            raises instead of falling back when the model cannot be rebuilt
+            in a subprocess; on a GPU it needs the GPU's memory free (memory
+            growth, or a limit that leaves room).
+
+    Example:
+
+    ```python
+    planner = MemoryPlanner(model, optimizer="adam")
+    plan = planner.plan(batch_size=256, budget="8GiB", profile=True)
+    print(plan.table())
+    model = AccumulatingModel.from_model(model, micro_batch_size=plan.micro_batch_size)
+    ```
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`, or `isolate` is not a
+            bool or None.
+        ValueError: if the model is not built, has no known inputs (a
+            subclassed model: wrap it with `AccumulatingModel.from_model`),
+            or an input shape is unknown apart from the batch axis.
+    """
+
+    def __init__(
+        self, model, optimizer=None, device: str | None = None, isolate: bool | None = None
+    ):
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"`model` must be a `keras.Model`. Received: model={model!r} "
+                f"of type {type(model).__name__}"
+            )
+        if not model.built or not model.weights:
+            raise ValueError(
+                "The model must be built before its memory can be planned: "
+                "build it from `keras.Input`s, call it once on a batch, or call "
+                f"`model.build(input_shape)`. Received: model={model.name!r} "
+                f"(built={model.built})"
+            )
+        if isolate not in (None, True, False):
+            raise TypeError(
+                f"`isolate` must be None, True or False. Received: isolate={isolate!r}"
+            )
+        if optimizer is None:
+            optimizer = getattr(model, "optimizer", None) or "adam"
+        self._input_bytes = _estimate.input_bytes_per_sample(model)  # raises for unknown shapes
+        self.model = model
+        self.isolate = isolate
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.device = device
+        self._calibration = None
+        self._cannot_isolate = None  # why a fresh process cannot rebuild the model
+        self.layers = _estimate.layer_table(model)
+
+    # -- shapes ---------------------------------------------------------------------
+
+    @property
+    def input_bytes_per_sample(self) -> int:
+        """Bytes of one sample of the inputs plus its (sparse) target."""
+        return self._input_bytes
+
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        """Activation bytes one sample keeps alive for the backward pass."""
+        return sum(size for _, _, size, _ in self.layers)
+
+    # -- estimate, profile, plan ------------------------------------------------
+
+    def estimate(
+        self, batch_size: int, micro_batch_size: int | None = None
+    ) -> _estimate.MemoryEstimate:
+        """The estimated peak memory of one train step.
+
+        Args:
+            batch_size: int, the effective batch (what the input pipeline
+                delivers).
+            micro_batch_size: int, samples per micro-batch. Defaults to
+                `batch_size` (no splitting).
+
+        Returns:
+            A `MemoryEstimate`; `.peak` is the total in bytes. Once `profile()`
+            has measured, `.peak` comes from the measurements (interpolated in
+            the micro-batch size, extrapolated beyond the measured sizes),
+            `.calibrated` is True and `.overhead` is what the measurement
+            adds to the counted parts.
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        micro = batch_size if micro_batch_size is None else micro_batch_size
+        micro = min(positive_int("micro_batch_size", micro), batch_size)
+        weights = _estimate.WeightBytes.of(self.model, self.optimizer)
+        estimate = _estimate.MemoryEstimate(
+            batch_size=batch_size,
+            micro_batch_size=micro,
+            parameters=weights.parameters,
+            optimizer_slots=weights.optimizer_slots,
+            gradient_accumulators=weights.gradient_accumulators,
+            micro_gradients=weights.micro_gradients,
+            input_batch=batch_size * self.input_bytes_per_sample,
+            activations=micro * self.activation_bytes_per_sample,
+        )
+        if self._calibration is not None:
+            estimate.overhead = int(self._calibration.peak_at(batch_size, micro)) - estimate.peak
+            estimate.calibrated = True
+        return estimate
+
+    def profile(
+        self,
+        micro_batch_sizes: tuple[int, ...] = (16, 64),
+        batch_size: int | None = None,
+        verbose: int = 0,
+    ) -> dict[int, int | None]:
+        """Measures real train steps and calibrates the estimate with them.
+
+        For each size, a fresh copy of the model (fresh weights; the model
+        itself is not touched) is compiled as an `AccumulatingModel` with a
+        copy of the optimizer and trained on synthetic data: one step to
+        trace it and build the optimizer, then two steps whose allocator
+        peak, less what was in use before the copy was made, is the
+        measurement. On a CPU that happens in a fresh process per size (see
+        `isolate` in the class documentation). Measurements add up over calls
+        (a size measured again replaces the old figure); `estimate()`
+        interpolates between them.
+
+        Args:
+            micro_batch_sizes: two or more distinct ints, the micro-batch
+                sizes to measure. Defaults to `(16, 64)`. Measuring at and
+                around the sizes you will plan for gives the closest
+                estimates; `plan(..., profile=True)` does that for you.
+            batch_size: int, the batch each micro-batch size is measured
+                with. Defaults to one micro-batch per batch. Give the batch
+                size you will train with: a larger batch costs more than its
+                input tensors' bytes.
+            verbose: int, 1 to print a line per measurement (its peak and
+                how long it took), 0 for none. Defaults to 0.
+
+        Returns:
+            A dict from micro-batch size to the measured peak in bytes
+            (parameters and optimizer slots included), or to `None` for a
+            size that ran out of memory.
+
+        Raises:
+            ValueError: if fewer than two distinct sizes are given, or a size
+                exceeds `batch_size`.
+            RuntimeError: if a measurement in this process is needed on a
+                device without allocator figures (a CPU without
+                `TF_CPU_ALLOCATOR_USE_BFC=true`), or a child process fails.
+        """
+        sizes = sorted({positive_int("micro_batch_sizes", s) for s in tuple(micro_batch_sizes)})
+        if len(sizes) < 2:
+            raise ValueError(
+                "`micro_batch_sizes` must hold at least two distinct positive "
+                f"integers. Received: micro_batch_sizes={micro_batch_sizes!r}"
+            )
+        if batch_size is not None:
+            batch_size = positive_int("batch_size", batch_size)
+            if sizes[-1] > batch_size:
+                raise ValueError(
+                    "Every micro-batch size must be at most `batch_size`. "
+                    f"Received: micro_batch_sizes={micro_batch_sizes!r}, "
+                    f"batch_size={batch_size}"
+                )
+        measured = {}
+        for size in sizes:  # a loop, not a comprehension: warnings point at the caller
+            measured[size] = self._measure(batch_size or size, size, verbose, stacklevel=3)
+        return measured
+
+    def _profile_device(self):
+        return self.device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
+
+    def _isolated(self, device):
+        return ("GPU" not in device.upper()) if self.isolate is None else self.isolate
+
+    def _measure(self, batch, micro, verbose, stacklevel):
+        """Measures one (batch, micro-batch) size and records it; None on OOM.
+
+        `stacklevel`: the user's call, counted from here (for the warning).
+        """
+        if self._calibration is None:
+            self._calibration = Calibration(
+                per_batch_sample=self.input_bytes_per_sample,
+                min_slope=self.activation_bytes_per_sample,
+            )
+        device = self._profile_device()
+        started = time.perf_counter()
+        isolated = self._isolated(device) and self._cannot_isolate is None
+        if isolated:
+            try:
+                peak = _measure.measure_isolated(self.model, self.optimizer, batch, micro, device)
+            except _measure.CannotIsolate as reason:
+                self._fall_back(reason, stacklevel + 1)
+                self._cannot_isolate = reason  # the next sizes go straight here
+                isolated = False
+        if not isolated:
+            _check_allocator_figures(device)
+            peak = _measure.measure_step(self.model, self.optimizer, batch, micro, device)
+        self._calibration.record(batch, micro, peak)
+        if verbose:
+            figure = "out of memory" if peak is None else f"peak {format_bytes(peak)}"
+            print(
+                f"measured micro-batch {micro} of a batch of {batch} on {device}: {figure} "
+                f"({time.perf_counter() - started:.1f} s, "
+                f"{'in a fresh process' if isolated else 'in this process'})",
+                flush=True,
+            )
+        return peak
+
+    def _fall_back(self, reason, stacklevel):
+        if self.isolate:
+            raise RuntimeError(
+                f"`profile()` cannot measure in a fresh process: {reason}. Pass "
+                "`isolate=False` to `MemoryPlanner` to measure in this process. "
+                f"Received: isolate={self.isolate!r}"
+            )
+        warnings.warn(
+            f"MemoryPlanner measures in this process: {reason}. Its figures can be "
+            "15-25% off a fresh process's where other models trained before.",
+            stacklevel=stacklevel,
+        )
+
+    def plan(
+        self,
+        batch_size: int,
+        budget,
+        margin: float = MEASURED_MARGIN,
+        profile: bool = False,
+        verbose: int = 0,
+    ) -> MemoryPlan:
+        """Recommends the micro-batch size (and remat) for a batch and a budget.
+
+        Picks the largest micro-batch size whose estimated peak, plus
+        `margin`, fits in `budget`, preferring sizes that divide the batch
+        evenly. Where not even a micro-batch of one sample fits, it
+        recommends `remat="auto"` (recomputing activations); its saving is
+        not modelled, so the plan's estimate is then an upper bound.
+
+        With `profile=True` it measures (see `profile()`) at `batch_size`:
+        the size it would recommend and half of it, then, while the
+        measurements move its recommendation, the new recommendation (at most
+        four rounds), and recommends a measured size that fitted where the
+        rounds did not settle. It only measures sizes it estimates to fit the
+        budget; one that runs out of memory all the same counts as not
+        fitting.
+
+        Without measurements the figures come from shapes alone and miss
+        TensorFlow's own working memory: keep a wider margin then
+        (`SHAPES_ONLY_MARGIN`, 0.8, is what `keras-memopt plan --no-profile`
+        keeps).
+
+        Args:
+            batch_size: int, the effective batch size.
+            budget: the memory available: bytes, or a string such as
+                `"8GiB"` or `"512MB"`.
+            margin: float, the share of the budget kept free for what the
+                estimate misses. Defaults to 0.1.
+            profile: bool, whether to measure real train steps near the
+                recommendation first. Defaults to `False` (shapes and any
+                earlier `profile()` measurements only).
+            verbose: int, 1 to print a line per measurement. Defaults to 0.
+
+        Returns:
+            A `MemoryPlan`; `plan.table()` is a readable summary.
+
+        Raises:
+            ValueError: if the budget is below what the parameters, optimizer
+                slots and gradients alone need, or an argument is invalid.
+            RuntimeError: with `profile=True`, if a measurement cannot be
+                made (see `profile()`).
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        budget = parse_bytes(budget, "budget")
+        if not 0 <= margin < 1:
+            raise ValueError(f"`margin` must be in [0, 1). Received: margin={margin!r}")
+        usable = budget * (1 - margin)
+        self._check_fixed_part_fits(batch_size, budget, usable, margin)
+        if profile:
+            self._measure_near_choice(batch_size, usable, verbose)
+        micro = self._choose(batch_size, usable)
+        if profile and micro is not None:
+            micro = self._measured_choice(batch_size, micro, usable)
+        if micro is None:
+            note = (
+                "Not even a micro-batch of one sample fits in the budget. "
+                "remat='auto' recomputes activations in the backward pass; its "
+                "saving is not modelled here, so check it with a real run."
+            )
+            smallest = self.estimate(batch_size, 1)
+            return MemoryPlan(batch_size, budget, 1, "auto", smallest, fits=False, note=note)
+        return MemoryPlan(
+            batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
+        )
+
+    def _check_fixed_part_fits(self, batch_size, budget, usable, margin):
+        fixed = _estimate.WeightBytes.of(self.model, self.optimizer).total
+        if fixed > usable:
+            raise ValueError(
+                f"The budget of {format_bytes(budget)} is below what the parameters "
+                "alone need: parameters, optimizer slots, gradient accumulators "
+                f"and one set of gradients take {format_bytes(fixed)} (with a "
+                f"margin of {margin:.0%}). Raise the budget or use an optimizer "
+                f"with fewer slots. Received: budget={budget}"
+            )
+
+    def _measure_near_choice(self, batch_size, usable, verbose):
+        """Measures at the size it would recommend until that size is a measured one."""
+        for _ in range(4):
+            micro = self._choose(batch_size, usable) or 1
+            measured = self._calibration.micro_sizes(batch_size) if self._calibration else ()
+            if micro in measured:
+                return
+            todo = [micro]
+            if not measured and micro > 1:
+                todo.insert(0, micro // 2)  # a slope for interpolation
+            for size in todo:
+                if self._measure(batch_size, size, verbose, stacklevel=4) is None:
+                    break  # larger sizes will not fit either
+
+    def _measured_choice(self, batch_size, micro, usable):
+        # Measurements are noisy: when the rounds did not settle, prefer the
+        # largest measured size that fitted.
+        points = self._calibration.points
+        fitting = [
+            m for (b, m), peak in points.items()
+            if b == batch_size and m <= micro and peak <= usable
+        ]
+        if (batch_size, micro) not in points and fitting:
+            return max(fitting)
+        return micro
+
+    def _choose(self, batch_size, usable):
+        """The micro-batch size to recommend, or None when one sample does not fit."""
+        high = batch_size
+        if self._calibration is not None:
+            high = min(high, self._calibration.out_of_memory_at(batch_size) - 1)
+        if high < 1 or self.estimate(batch_size, 1).peak > usable:
+            return None
+        low = 1  # the peak grows with the micro-batch size
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.estimate(batch_size, middle).peak <= usable:
+                low = middle
+            else:
+                high = middle - 1
+        even = max(d for d in _divisors(batch_size) if d <= low)
+        return even if even * 2 > low else low
+
+
+def _check_allocator_figures(device):
+    try:
+        tf.config.experimental.get_memory_info(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"`profile()` reads TensorFlow's allocator peak on {device}, which "
+            "gives no memory figures there. On a CPU, set "
+            "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts. "
+            f"Received: device={device!r}"
+        ) from error
+
+
+def _divisors(n):
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
