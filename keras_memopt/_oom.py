@@ -19,6 +19,7 @@ import time
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt.memory import allocator_memory, format_bytes, parse_bytes
 
 _DISGUISED = (
     "resourceexhausted",
@@ -34,8 +35,7 @@ _TENSOR = re.compile(
 )
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]|Detected at node '?([^\s']+)'?")
 _BYTES = re.compile(r"(\d+) bytes")
-_SIZE = re.compile(r"allocate ([\d.]+)\s*([KMGT]i?B)")  # XLA: "allocate 34.12MiB"
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"allocate ([\d.]+\s*[KMGT]iB)")  # XLA: "allocate 34.12MiB"
 _DEVICE = re.compile(r"device:([A-Z]+:\d+)")
 
 
@@ -108,32 +108,11 @@ def parse_oom(message: str) -> dict:
     if match:
         info["bytes"] = int(match.group(1))
     elif _SIZE.search(message):
-        match = _SIZE.search(message)
-        info["bytes"] = int(float(match.group(1)) * _UNITS[match.group(2)[0]])
+        info["bytes"] = parse_bytes(_SIZE.search(message).group(1))
     if info["device"] is None:
         device = _DEVICE.search(message)
         info["device"] = device.group(1) if device else None
     return info
-
-
-def memory_info(device: str | None = None) -> dict | None:
-    """Current and peak bytes of the TF allocator of `device`, or None.
-
-    Defaults to the first GPU, else `"CPU:0"` (which reports only under the
-    BFC CPU allocator, `TF_CPU_ALLOCATOR_USE_BFC=true`).
-    """
-    if device is None:
-        gpus = tf.config.list_logical_devices("GPU")
-        device = "GPU:0" if gpus else "CPU:0"
-    try:
-        info = tf.config.experimental.get_memory_info(device)
-    except (ValueError, tf.errors.OpError):
-        return None
-    return dict(device=device, current=info["current"], peak=info["peak"])
-
-
-def _mib(nbytes):
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def describe_allocation(info):
@@ -142,7 +121,7 @@ def describe_allocation(info):
         if info["dtype"]:
             what += f" and type {info['dtype']}"
     elif info["bytes"] is not None:
-        what = f"{_mib(info['bytes'])} ({info['bytes']} bytes)"
+        what = f"{format_bytes(info['bytes'])} ({info['bytes']} bytes)"
     else:
         what = "memory (the error message does not say how much)"
     if info["op"]:
@@ -161,12 +140,12 @@ def allocation_note(error) -> str:
 def oom_report(error: BaseException, micro_batch_size, minimum) -> str:
     """The readable report raised when backing off can go no further."""
     info = parse_oom(str(error))
-    memory = memory_info(info["device"] if info["device"] else None)
+    memory = allocator_memory(info["device"])
     if memory is None:
         memory_line = "not available for this device"
     else:
         memory_line = (
-            f"{_mib(memory['current'])} in use, peak {_mib(memory['peak'])} "
+            f"{format_bytes(memory['current'])} in use, peak {format_bytes(memory['peak'])} "
             f"on {memory['device']}"
         )
     return (

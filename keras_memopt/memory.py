@@ -3,6 +3,8 @@
 The one home in keras_memopt for each of these needs:
 
 - `parse_bytes` / `format_bytes`: sizes such as `"8GiB"` to bytes and back;
+- `bytes_if_known` / `bytes_per_sample`: the bytes of tensors from their
+  shapes and dtypes;
 - `allocator_memory`: TensorFlow's allocator figures for one device;
 - `nvml` / `nvml_handle_of_tf_gpu`: NVML (nvidia-ml-py), initialised once
   per process, and the NVML device behind one of TensorFlow's GPUs;
@@ -76,6 +78,46 @@ def format_bytes(size):
 
 
 # -- TensorFlow's allocator -------------------------------------------------------------
+
+
+def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
+    """Bytes of a tensor of `shape` and `dtype`.
+
+    Args:
+        shape: the dimensions; None for an unknown one.
+        dtype: the element type.
+        unknown_dim: int, the size to count an unknown dimension as.
+            Defaults to None: an unknown dimension makes the result None,
+            since there is no honest number (the planner refuses such
+            shapes; a caller that only compares sizes may count them as 1).
+    """
+    size = 1
+    for dim in shape:
+        if dim is None:
+            if unknown_dim is None:
+                return None
+            dim = unknown_dim
+        size *= int(dim)
+    import tensorflow as tf
+
+    return size * tf.as_dtype(dtype).size
+
+
+def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
+    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
+
+    None if a dimension but the batch axis is unknown, unless `unknown_dim`
+    says what to count it as (see `bytes_if_known`).
+    """
+    import tensorflow as tf
+
+    total = 0
+    for tensor in tf.nest.flatten(tensors):
+        size = bytes_if_known(tuple(tensor.shape)[1:], tensor.dtype, unknown_dim)
+        if size is None:
+            return None
+        total += size
+    return total
 
 
 def _device_spec(device):

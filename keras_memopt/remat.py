@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import warnings
 
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt.memory import bytes_per_sample
 
 keras = K.keras
 
@@ -257,12 +257,6 @@ def validate_remat(remat):
     )
 
 
-def _nbytes(tensor):
-    shape = tuple(tensor.shape)[1:]
-    size = math.prod(1 if d is None else int(d) for d in shape)
-    return size * tf.as_dtype(tensor.dtype).size
-
-
 class _Graph:
     """The dependency structure of a functional model's nodes."""
 
@@ -290,7 +284,8 @@ class _Graph:
         self.everything = (1 << count) - 1
         _, outputs = K.nested_inputs_outputs(model)
         self.output_ids = {id(t) for t in tf.nest.flatten(outputs)}
-        self.sizes = [sum(_nbytes(t) for t in outputs) for _, _, outputs in self.nodes]
+        # Unknown dimensions count as 1: the sizes only compare blocks.
+        self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]
 
     def regularised(self, index):
         layer = self.nodes[index][0]

@@ -291,7 +291,7 @@ class TestBackoff:
         assert "micro_batch_size=16, min_micro_batch_size=16" in report
         assert "a tensor of shape [32, 16] and type float" in report
         assert "in op gradient_tape/while/dense/MatMul on CPU:0" in report
-        assert re.search(r"Device memory: [\d.]+ MiB in use, peak [\d.]+ MiB", report)
+        assert re.search(r"Device memory: [\d.]+ [KMG]?i?B in use, peak [\d.]+ [KMG]?i?B", report)
         for advice in ("remat", "mixed_float16", "smaller model", "cuda_malloc_async"):
             assert advice in report
 
@@ -679,7 +679,8 @@ def test_real_oom_in_evaluate_at_the_minimum_and_with_auto():
     assert "min_micro_batch_size=4096" in report
     assert re.search(r"Failed to allocate: a tensor of shape \[\d+(, \d+)*\]", report), report
     assert re.search(r"in op \S+ on CPU:0", report), report
-    assert re.search(r"Device memory: [\d.]+ MiB in use, peak [\d.]+ MiB on CPU:0", report)
+    size = r"[\d.]+ [KMG]?i?B"
+    assert re.search(rf"Device memory: {size} in use, peak {size} on CPU:0", report)
     assert figures["intact"] and figures["iterations"] == 1
 
     assert figures["auto"]["micro_batch_size"] == 1024, figures["auto"]

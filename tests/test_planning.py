@@ -306,7 +306,7 @@ class TestProfiledPlan:
 
 class TestBytes:
     def test_unknown_dimensions_are_not_guessed_unless_asked(self, keras_module):
-        from keras_memopt.planning.estimate import bytes_if_known, bytes_per_sample
+        from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
         assert bytes_if_known((3, 4), "float32") == 48
         assert bytes_if_known((3, None), "float16") is None

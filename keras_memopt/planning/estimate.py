@@ -7,6 +7,7 @@ import dataclasses
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
 keras = K.keras
 
@@ -61,42 +62,6 @@ def optimizer_slot_copies(optimizer) -> float:
         # Unknown optimizer: Adam's two slots is the common case.
         copies = 2.0
     return copies + (1.0 if config.get("use_ema") else 0.0)
-
-
-def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
-    """Bytes of a tensor of `shape` and `dtype`.
-
-    Args:
-        shape: the dimensions; None for an unknown one.
-        dtype: the element type.
-        unknown_dim: int, the size to count an unknown dimension as.
-            Defaults to None: an unknown dimension makes the result None,
-            since there is no honest number (the planner refuses such
-            shapes; a caller that only compares sizes may count them as 1).
-    """
-    size = 1
-    for dim in shape:
-        if dim is None:
-            if unknown_dim is None:
-                return None
-            dim = unknown_dim
-        size *= int(dim)
-    return size * tf.as_dtype(dtype).size
-
-
-def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
-    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
-
-    None if a dimension but the batch axis is unknown, unless `unknown_dim`
-    says what to count it as (see `bytes_if_known`).
-    """
-    total = 0
-    for tensor in tf.nest.flatten(tensors):
-        size = bytes_if_known(tuple(tensor.shape)[1:], tensor.dtype, unknown_dim)
-        if size is None:
-            return None
-        total += size
-    return total
 
 
 def _leaf_layers(model):
