@@ -1,9 +1,11 @@
 """AccumulatingModel: exactness against plain Keras, semantics and bad input."""
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import LEGACY, peak_bytes_of_fit
+from conftest import LEGACY, peak_bytes_of_fit, run_python
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
@@ -271,6 +273,55 @@ def _wide(cls=keras.Model, **kwargs):
     for _ in range(6):
         x = layers.Dense(256, activation="relu")(x)
     return cls(inputs, layers.Dense(1)(x), **kwargs)
+
+
+RESIDENT = """
+import gc, json, sys
+import numpy as np, tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+def current():
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+x = np.random.RandomState(0).rand(512, 256).astype("float32")
+y = np.random.RandomState(1).randint(0, 10, 512)
+start = current()
+keras.utils.set_random_seed(0)
+inputs = keras.Input((256,))
+hidden = inputs
+for _ in range(6):
+    hidden = keras.layers.Dense(1024, activation="relu")(hidden)
+outputs = keras.layers.Dense(10)(hidden)
+if sys.argv[1] == "plain":
+    model = keras.Model(inputs, outputs)
+else:
+    model = AccumulatingModel(inputs, outputs, micro_batch_size=128)
+model.compile(keras.optimizers.Adam(1e-3),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=512, epochs=2, verbose=0)
+gc.collect()
+weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+print(json.dumps(dict(resident=current() - start, weights=weights)))
+"""
+
+
+@pytest.mark.slow
+def test_resident_memory_between_steps_is_plain_keras_s():
+    """No model-sized buffer outlives a step (such as graph constants of zeros).
+
+    Measured on the code that made its accumulators with `tf.zeros(shape)`
+    (which the graph optimiser folds into constants held by the step
+    function): 72.2 MiB against plain Keras's 68.2 on this 21 MiB MLP; now
+    64.2, below plain Keras.
+    """
+    figures = {}
+    for kind in ("plain", "accumulating"):
+        output = run_python(RESIDENT.replace("sys.argv[1]", repr(kind)))
+        figures[kind] = json.loads(output.stdout.strip().splitlines()[-1])
+    # Weights and Adam's two slots stay between steps in both.
+    assert figures["plain"]["resident"] >= 3 * figures["plain"]["weights"]
+    assert figures["accumulating"]["resident"] <= figures["plain"]["resident"] + 2**20, figures
 
 
 class TestCompilation:
