@@ -297,6 +297,13 @@ class replaying:  # noqa: N801 (a context manager, named like one)
 # -- out-of-memory recovery (keras_memopt._oom) --------------------------------
 
 
+def multi_worker(strategy):
+    """Whether `strategy` spans several worker processes (as Keras itself tests it)."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        strategy.extended._in_multi_worker_mode()
+    )
+
+
 def global_random_state():
     """Keras 3's global seed generator's state (random ops called without a seed).
 

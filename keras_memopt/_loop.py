@@ -33,27 +33,39 @@ _NARROW_FLOATS = (tf.float16, tf.bfloat16)
 class MicroBatchSetting:
     """The micro-batch setting as run-time state: variables the step reads.
 
-    `sizes` holds samples per micro-batch for each replica (0: not set) and
-    `steps` the number of micro-batches per batch used when no size is set.
-    The variables are created once, where the model is made (under its
-    distribution strategy), and are never saved with the model.
+    The variables hold samples per micro-batch for each replica (0: not set)
+    and the number of micro-batches per batch used when no size is set; they
+    are created once, where the model is made (under its distribution
+    strategy), and are never saved with the model. `cap`, when given (by a
+    supervisor, see `keras_memopt.supervise`), bounds every micro-batch.
     """
 
-    def __init__(self, replicas: int):
+    def __init__(self, replicas: int, cap: int | None = None):
         self.replicas = replicas
+        self.cap = cap
+        self.size = self.steps = None  # the Python values last assigned
         with tf.init_scope():
             self._sizes = tf.Variable(
                 tf.zeros([replicas], tf.int32), trainable=False, name="micro_batch_sizes"
             )
             self._steps = tf.Variable(1, trainable=False, name="accumulation_steps")
 
-    def assign(self, sizes: list[int] | None, steps: int | None):
-        """Sets samples per micro-batch per replica, or micro-batches per batch."""
-        if sizes is not None and len(sizes) != self.replicas:
-            sizes = [sizes[0]] * self.replicas
+    def assign(self, size: int | None, steps: int | None):
+        """Sets samples per micro-batch, or micro-batches per batch (or neither)."""
+        self.size, self.steps = size, steps
         with tf.init_scope():
-            self._sizes.assign(sizes or [0] * self.replicas)
+            self._sizes.assign([size or 0] * self.replicas)
             self._steps.assign(steps or 1)
+
+    def in_use(self, batch_size: int | None) -> int | None:
+        """The micro-batch size a step on `batch_size` samples runs with (None: unknown)."""
+        if self.size is not None:
+            size = min(self.size, batch_size or self.size)
+        elif batch_size is None:
+            return None
+        else:
+            size = max(1, -(-batch_size // (self.steps or 1)))
+        return size if self.cap is None else min(size, self.cap)
 
     def micro_batch_size(self, batch_size):
         """The micro-batch size, in the graph, for a batch of `batch_size` samples."""
@@ -63,7 +75,8 @@ class MicroBatchSetting:
         size = tf.cast(self._sizes[index], batch_size.dtype)
         steps = tf.cast(self._steps, batch_size.dtype)
         by_steps = tf.maximum((batch_size + steps - 1) // steps, 1)
-        return tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)
+        size = tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)
+        return size if self.cap is None else tf.minimum(size, self.cap)
 
 
 def update_counters(model):
@@ -79,15 +92,6 @@ def update_counters(model):
         if isinstance(counter, tf.Variable):
             counters.append(counter)
     return counters
-
-
-def micro_batch_in_use(micro_batch_size, accumulation_steps, batch_size):
-    """The micro-batch size (a Python int) a step on `batch_size` samples runs with."""
-    if isinstance(micro_batch_size, int):
-        return min(micro_batch_size, batch_size or micro_batch_size)
-    if batch_size is None:
-        return None
-    return max(1, -(-batch_size // (accumulation_steps or 1)))
 
 
 def batch_size_of(data):

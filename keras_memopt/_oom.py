@@ -43,9 +43,15 @@ def is_oom(error: BaseException) -> bool:
     """Whether `error` (or an error it was raised from) means out of memory.
 
     Besides `tf.errors.ResourceExhaustedError`, TensorFlow reports some
-    allocation failures as `UnknownError` or `InternalError` whose message
-    names resource exhaustion, or as "Dst tensor is not initialized" (a copy
-    to the device whose destination could not be allocated).
+    allocation failures otherwise:
+
+    - `InvalidArgumentError: Cannot parse tensor from proto` at a constant
+      node: the constant's memory could not be allocated when the step's
+      kernels were made (seen on CPU under a memory limit, for a constant the
+      graph optimiser folded);
+    - `UnknownError` or `InternalError` whose message names resource
+      exhaustion, or "Dst tensor is not initialized" (a copy to a device
+      whose destination could not be allocated; reported on GPUs).
 
     Example:
 
@@ -62,9 +68,12 @@ def is_oom(error: BaseException) -> bool:
         seen.add(id(error))
         if isinstance(error, tf.errors.ResourceExhaustedError):
             return True
+        message = str(error).lower()
         if isinstance(error, (tf.errors.UnknownError, tf.errors.InternalError)):
-            message = str(error).lower()
             if any(marker in message for marker in _DISGUISED):
+                return True
+        if isinstance(error, tf.errors.InvalidArgumentError):
+            if "cannot parse tensor from proto" in message:
                 return True
         error = error.__cause__ or error.__context__
     return False

@@ -20,7 +20,7 @@ import time
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _oom
+from keras_memopt import _oom, supervise
 
 
 def batch_size_of(data):
@@ -64,6 +64,7 @@ class StepRunner:
         self._one_step = None
         self._concrete = {}
         self._snapshot = _oom.Snapshot(model)
+        self._reporter = supervise.Reporter()
 
     def reset(self):
         """Forgets the traced step: the next step traces it again."""
@@ -107,10 +108,7 @@ class StepRunner:
         return self._concrete[key]
 
     def _in_use(self, data):
-        model = self.model
-        return _loop.micro_batch_in_use(
-            model.micro_batch_size, model.accumulation_steps, batch_size_of(data)
-        )
+        return self.model.micro_batch_size_for(batch_size_of(data))
 
     def run(self, data, spec=None):
         """Runs one step on `data`; backs off and retries on out-of-memory."""
@@ -126,14 +124,28 @@ class StepRunner:
             model.micro_batch_size = search.initial
             policy = policy or _oom.BackoffPolicy()
         if policy is None:
+            self._reporter.report(self._in_use(data))
             return self._step(data, spec)(data)
+        outputs = self._retrying(data, spec, policy, search)
+        if search is not None and self._chose is not None:
+            self._chose(search.report(self._in_use(data)))
+        if self.kind == "train" and isinstance(outputs, dict):
+            # Into the step's logs, so that every callback sees it, whatever
+            # its place in the list.
+            outputs = {**outputs, "micro_batch_size": self._in_use(data)}
+        return outputs
+
+    def _retrying(self, data, spec, policy, search):
+        """The step's outputs, after as many backoffs as `policy` allows."""
+        model = self.model
         while True:
+            current = self._in_use(data)
+            self._reporter.report(current)
             step = self._step(data, spec)
             taken = self._snapshot.take()
             started = time.perf_counter()
             try:
-                outputs = step(data)
-                break
+                return step(data)
             except tf.errors.OpError as error:
                 if not _oom.is_oom(error):
                     raise
@@ -142,7 +154,6 @@ class StepRunner:
             recovery = time.perf_counter()
             self._snapshot.restore(taken)
             del taken
-            current = self._in_use(data)
             if search is not None:
                 search.failed(current, failed_seconds)
             model.micro_batch_size = policy.next_size(current, failed)
@@ -157,10 +168,3 @@ class StepRunner:
                 )
             )
             del failed
-        if search is not None and self._chose is not None:
-            self._chose(search.report(self._in_use(data)))
-        if self.kind == "train" and isinstance(outputs, dict):
-            # Into the step's logs, so that every callback sees it, whatever
-            # its place in the list.
-            outputs = {**outputs, "micro_batch_size": self._in_use(data)}
-        return outputs

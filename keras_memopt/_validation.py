@@ -19,6 +19,16 @@ def positive_int(name, value):
     return int(value)
 
 
+def backoff_factor(value):
+    """Returns a backoff `factor` as a float in (0, 1), or raises naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+        raise ValueError(
+            "`factor` must be a number between 0 and 1 (exclusive), the fraction "
+            f"of the micro-batch to keep. Received: factor={value!r}"
+        )
+    return float(value)
+
+
 def positive_int_argument(text: str) -> int:
     """`positive_int` for a command-line option: `parser.add_argument(..., type=this)`."""
     try:

@@ -23,7 +23,7 @@ _MARGINS_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `keras-memopt` parser, with its `demo` and `plan` subcommands."""
+    """The `keras-memopt` parser, with its `demo`, `run` and `plan` subcommands."""
     parser = argparse.ArgumentParser(
         prog="keras-memopt",
         description="Train Keras models that do not fit in accelerator memory.",
@@ -35,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="plain Keras runs out of memory under a limit; AccumulatingModel trains",
     )
+    run = commands.add_parser(
+        "run",
+        help="run a training command; restart it with a smaller micro-batch if it crashes",
+        description="Run COMMAND (a training script). If the process dies of a signal "
+        "(a segmentation fault inside TensorFlow under memory pressure, say), run it again "
+        "with every AccumulatingModel's micro-batch at most FACTOR times the size it was "
+        "using; the script resumes from its keras.callbacks.BackupAndRestore backup.",
+        usage="keras-memopt run [options] -- COMMAND [ARGS...]",
+    )
+    run.add_argument("--factor", type=float, default=0.5,
+                     help="the new cap is this times the micro-batch in use (default: 0.5)")
+    run.add_argument("--min-micro-batch-size", type=positive_int_argument, default=1,
+                     help="a crash at this micro-batch size is not restarted (default: 1)")
+    run.add_argument("--max-restarts", type=int, default=5,
+                     help="restarts at the most (default: 5)")
+    run.add_argument("training_command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="the training command, after --")
     plan = commands.add_parser(
         "plan",
         help="recommend a micro-batch size for a saved model, a batch size and a budget",
@@ -78,7 +95,30 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "run":
+        return _run(parser, args)
     return _plan(args)
+
+
+def _run(parser, args) -> int:
+    from keras_memopt import supervise
+
+    command = args.training_command
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("run: give the training command after --, e.g. "
+                     "keras-memopt run -- python train.py")
+    try:
+        return supervise.supervise(
+            command,
+            factor=args.factor,
+            min_micro_batch_size=args.min_micro_batch_size,
+            max_restarts=args.max_restarts,
+        )
+    except ValueError as error:
+        print(f"keras-memopt run: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _plan(args) -> int:

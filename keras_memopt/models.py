@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses, _runner
+from keras_memopt import _loop, _losses, _runner, supervise
 from keras_memopt import remat as _remat
 from keras_memopt._steps import MicroBatchSteps
 from keras_memopt._validation import positive_int
@@ -184,7 +184,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         super().__init__(*args, **kwargs)
         # A plain holder: Keras must not track (nor save) the setting's variables.
         self._setting = _loop.MicroBatchSetting(
-            tf.distribute.get_strategy().num_replicas_in_sync
+            tf.distribute.get_strategy().num_replicas_in_sync,
+            cap=supervise.max_micro_batch_size(),
         )
         self._micro_batch_size = self._accumulation_steps = None
         self._set_split(*split)
@@ -285,8 +286,15 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
     def _set_split(self, micro_batch_size=None, accumulation_steps=None):
         split = _validate_split(micro_batch_size, accumulation_steps)
         self._micro_batch_size, self._accumulation_steps = split
-        size = split[0] if isinstance(split[0], int) else None
-        self._setting.assign(None if size is None else [size], split[1])
+        self._setting.assign(split[0] if isinstance(split[0], int) else None, split[1])
+
+    def micro_batch_size_for(self, batch_size: int | None) -> int | None:
+        """The micro-batch size a step on a batch of `batch_size` samples runs with.
+
+        Per replica under a distribution strategy; None when `batch_size` is
+        None and the size depends on it.
+        """
+        return self._setting.in_use(batch_size)
 
     def _retrace(self):
         """Makes the step functions trace again at their next step."""

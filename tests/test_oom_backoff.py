@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 from conftest import LEGACY, run_python
 
-from keras_memopt import AccumulatingModel, _keras, _loop, _oom, _runner
+from keras_memopt import AccumulatingModel, _keras, _oom, _runner
 from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 
@@ -61,9 +61,7 @@ def fake_oom(monkeypatch):
 
 
 def _in_use(model, data):
-    return _loop.micro_batch_in_use(
-        model.micro_batch_size, model.accumulation_steps, _runner.batch_size_of(data)
-    )
+    return model.micro_batch_size_for(_runner.batch_size_of(data))
 
 
 def _data(n=96, features=6, classes=3, seed=0):
@@ -143,8 +141,11 @@ class TestDetection:
             tf.errors.InternalError(None, None, "ResourceExhausted: failed to allocate"),
             tf.errors.InternalError(None, None, "Dst tensor is not initialized."),
             tf.errors.UnknownError(None, None, "CUDA_ERROR_OUT_OF_MEMORY: out of memory"),
+            tf.errors.InvalidArgumentError(
+                None, None, "Cannot parse tensor from proto: goo.gle/debugstr [[{{node zeros}}]]"
+            ),
         ],
-        ids=["resource_exhausted", "unknown", "internal", "dst_tensor", "cuda"],
+        ids=["resource_exhausted", "unknown", "internal", "dst_tensor", "cuda", "constant"],
     )
     def test_oom_and_its_disguised_forms_are_detected(self, error):
         assert _oom.is_oom(error)
@@ -160,6 +161,15 @@ class TestDetection:
     )
     def test_other_errors_are_not_oom(self, error):
         assert not _oom.is_oom(error)
+
+    @pytest.mark.slow
+    def test_a_constant_that_cannot_be_allocated_is_detected(self):
+        """The real error: a 4 MiB constant, folded into a step, under a 16 MiB limit."""
+        output = run_python(CONSTANT_OOM, memory_limit_mb=16)
+        figures = json.loads(output.stdout.strip().splitlines()[-1])
+        assert figures["type"] == "InvalidArgumentError", figures
+        assert "Cannot parse tensor from proto" in figures["message"]
+        assert figures["is_oom"] is True
 
     def test_oom_raised_from_another_error_is_detected(self):
         try:
@@ -449,6 +459,30 @@ class TestXLA:
     def test_report_parses_an_xla_allocation_size(self):
         info = _oom.parse_oom("Out of memory while trying to allocate 34.12MiB.")
         assert info["bytes"] == int(34.12 * 2**20)
+
+
+CONSTANT_OOM = """
+import json
+import tensorflow as tf
+from keras_memopt import _oom
+
+hold = tf.fill([10 * 2**18], 1.0)  # 10 MiB of the 16, made at run time
+
+
+@tf.function
+def step(x):
+    # A constant of 4 MiB (`tf.zeros` of a static shape, folded by the graph
+    # optimiser), allocated when the function's kernels are made.
+    return tf.reduce_sum(tf.zeros([2**20]) + x)
+
+
+try:
+    step(tf.constant(1.0))
+    figures = dict(type=None, message="", is_oom=None)
+except tf.errors.OpError as error:
+    figures = dict(type=type(error).__name__, message=str(error), is_oom=_oom.is_oom(error))
+print(json.dumps(figures))
+"""
 
 
 @pytest.mark.slow

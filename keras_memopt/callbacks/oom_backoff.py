@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from keras_memopt import _oom
 from keras_memopt._keras import keras
-from keras_memopt._validation import positive_int
+from keras_memopt._validation import backoff_factor, positive_int
 
 
 class OOMBackoff(keras.callbacks.Callback):
@@ -75,13 +75,7 @@ class OOMBackoff(keras.callbacks.Callback):
         self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1
     ):
         super().__init__()
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
-            0 < factor < 1
-        ):
-            raise ValueError(
-                "`factor` must be a number between 0 and 1 (exclusive), the "
-                f"fraction of the micro-batch to keep. Received: factor={factor!r}"
-            )
+        factor = backoff_factor(factor)
         positive_int("min_micro_batch_size", min_micro_batch_size)
         self.factor = float(factor)
         self.min_micro_batch_size = min_micro_batch_size

@@ -1,0 +1,88 @@
+"""`BackupAndRestore`: Keras's, with the random state and one writer per cluster."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from keras_memopt import _keras as K
+from keras_memopt._keras import keras
+
+_RANDOM_STATE = "random_state.npz"
+
+
+def _random_variables(model):
+    """Variables that hold random state: Keras 3 seed generators (the model's own,
+    which are not among its weights, and the global one)."""
+    weights = {id(w) for w in model.weights}
+    own = [v for v in model.variables if id(v) not in weights]
+    return own + K.global_random_state()
+
+
+class _BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Backs up and restores the training state, random state included.
+
+    Keras 3's `keras.callbacks.BackupAndRestore` with two additions:
+
+    - The seed generators' states (a `Dropout`'s, the global one) are backed
+      up and restored with the weights, so that training resumed after an
+      interruption draws the same random numbers as training that was never
+      interrupted, and ends with the same weights. Keras's own callback
+      saves the weights only: a model with `Dropout` resumed from it trains
+      on with other masks.
+    - Under `MultiWorkerMirroredStrategy`, only the chief worker writes and
+      deletes the backup (Keras's own callback makes every worker write the
+      same files); every worker restores from it, so the backup directory
+      must be shared (a network file system, or one machine's disk).
+
+    It is what `keras-memopt run` restarts a crashed training process from.
+    On tf_keras, `keras_memopt.callbacks.BackupAndRestore` is tf_keras's own
+    callback, which already checkpoints the whole training state and writes
+    from the chief only.
+
+    Args:
+        backup_dir, save_freq, double_checkpoint, delete_checkpoint: as for
+            `keras.callbacks.BackupAndRestore`.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=10, callbacks=[
+        keras_memopt.callbacks.BackupAndRestore("/tmp/backup"),
+    ])
+    ```
+    """
+
+    def _writes(self):
+        strategy = self.model.distribute_strategy
+        return not K.multi_worker(strategy) or strategy.extended.should_checkpoint
+
+    def _save_model(self):
+        if not self._writes():
+            return
+        super()._save_model()
+        values = [np.asarray(v) for v in _random_variables(self.model)]
+        path = os.path.join(self.backup_dir, _RANDOM_STATE)
+        temporary = f"{path}.tmp.npz"
+        np.savez(temporary, *values)
+        os.replace(temporary, path)
+
+    def _load_model(self):
+        super()._load_model()
+        path = os.path.join(self.backup_dir, _RANDOM_STATE)
+        if not os.path.exists(path):
+            return
+        with np.load(path) as saved:
+            values = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        variables = _random_variables(self.model)
+        if len(values) == len(variables):
+            for variable, value in zip(variables, values, strict=True):
+                variable.assign(value)
+
+    def on_train_end(self, logs=None):
+        if self._writes():  # removes the backup directory, random state included
+            super().on_train_end(logs)
+
+
+BackupAndRestore = keras.callbacks.BackupAndRestore if K.LEGACY else _BackupAndRestore

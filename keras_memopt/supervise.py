@@ -1,0 +1,199 @@
+"""Supervised training: a crashed training process restarts with a smaller micro-batch.
+
+An out-of-memory error does not always reach Python as an exception that
+`OOMBackoff` can catch and recover from. Under some memory limits TensorFlow
+itself dies: a segmentation fault when a constant is folded into a step
+function while the allocator is full (in `tensorflow::ConstantFold`, copying
+into a buffer it could not get), after one or more out-of-memory errors that
+were caught. No rollback can help a process that is gone; a new process can.
+
+`keras-memopt run [options] -- python train.py ...` runs the training command,
+and when the process dies of a signal (SIGSEGV, SIGABRT, SIGBUS) it runs the
+same command again, with every `AccumulatingModel`'s micro-batch at most
+`factor` times the size in use when it died. The script resumes from its
+last backup when it trains with `keras.callbacks.BackupAndRestore`; the
+result is that of a run that switched to the smaller micro-batch at that
+backup. A process that exits with an error (an exception, out-of-memory at
+`min_micro_batch_size` included) is not restarted: its exit status is
+returned.
+
+The supervisor and the training process talk through two environment
+variables: the process writes the micro-batch size it is using to the file
+named by `KERAS_MEMOPT_RUN_STATE` (each time it changes), and reads its cap
+from `KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE`.
+
+Example:
+
+```
+keras-memopt run --factor 0.5 -- python train.py --epochs 10
+```
+
+```python
+# train.py
+model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=256)
+model.compile(...)
+model.fit(x, y, batch_size=1024, epochs=10, callbacks=[
+    keras.callbacks.BackupAndRestore("backup"),  # what a restart resumes from
+    kmo.callbacks.OOMBackoff(),                  # what can be caught, is
+])
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from keras_memopt._validation import backoff_factor, positive_int
+
+STATE_VARIABLE = "KERAS_MEMOPT_RUN_STATE"
+CAP_VARIABLE = "KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE"
+
+# Exit statuses of a process that died of one of these signals (a shell
+# reports 128 + the signal number; `subprocess` a negative number).
+_CRASHES = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+
+
+def max_micro_batch_size() -> int | None:
+    """The cap on the micro-batch size this process was started with, if any."""
+    value = os.environ.get(CAP_VARIABLE)
+    if not value:
+        return None
+    try:
+        return positive_int(CAP_VARIABLE, int(value))
+    except ValueError as error:
+        raise ValueError(
+            f"The environment variable {CAP_VARIABLE} must be a positive integer, "
+            f"the largest micro-batch size to use. Received: {CAP_VARIABLE}={value!r}"
+        ) from error
+
+
+class Reporter:
+    """Writes the micro-batch size in use for a supervisor, when there is one."""
+
+    def __init__(self):
+        self.path = os.environ.get(STATE_VARIABLE) or None
+        self._last = None
+
+    def report(self, micro_batch_size):
+        if self.path is None or micro_batch_size is None or micro_batch_size == self._last:
+            return
+        # Written whole, then renamed: a crash never leaves half a file.
+        temporary = f"{self.path}.{os.getpid()}"
+        with open(temporary, "w") as handle:
+            json.dump({"micro_batch_size": int(micro_batch_size)}, handle)
+        os.replace(temporary, self.path)
+        self._last = micro_batch_size
+
+
+def _crashed(returncode):
+    signals = {int(s) for s in _CRASHES}
+    return -returncode in signals or returncode - 128 in signals
+
+
+def _signal_name(returncode):
+    number = -returncode if returncode < 0 else returncode - 128
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_size(path):
+    try:
+        with open(path) as handle:
+            return int(json.load(handle)["micro_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def supervise(
+    command: list[str],
+    factor: float = 0.5,
+    min_micro_batch_size: int = 1,
+    max_restarts: int = 5,
+    verbose: int = 1,
+) -> int:
+    """Runs `command`, restarting it with a smaller micro-batch when it crashes.
+
+    Args:
+        command: list of str, the training command (`["python", "train.py"]`).
+        factor: float in (0, 1), the cap after a crash is this times the
+            micro-batch size in use when the process died (rounded down, and
+            always at least one sample smaller). Defaults to `0.5`.
+        min_micro_batch_size: int, the smallest cap; a crash at this size is
+            final. Defaults to `1`.
+        max_restarts: int, how many restarts at the most. Defaults to `5`.
+        verbose: int, 1 to print a line per restart. Defaults to `1`.
+
+    Returns:
+        The training process's last exit status (0 when it trained), 130 when
+        interrupted.
+
+    Raises:
+        ValueError: for an empty `command` or an invalid argument.
+    """
+    if not command:
+        raise ValueError("`command` must name the training command. Received: command=[]")
+    factor = backoff_factor(factor)
+    positive_int("min_micro_batch_size", min_micro_batch_size)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            "`max_restarts` must be a non-negative integer. "
+            f"Received: max_restarts={max_restarts!r}"
+        )
+    with tempfile.TemporaryDirectory(prefix="keras-memopt-run-") as folder:
+        state = os.path.join(folder, "state.json")
+        env = {**os.environ, STATE_VARIABLE: state}
+        restarts = 0
+        while True:
+            returncode = _run(command, env)
+            if returncode == 0 or not _crashed(returncode):
+                return returncode
+            size = _last_size(state)
+            if size is not None and CAP_VARIABLE in env:
+                # A process that died before its first step reported nothing new.
+                size = min(size, int(env[CAP_VARIABLE]))
+            if restarts >= max_restarts or size is None or size <= min_micro_batch_size:
+                why = (
+                    f"after {restarts} restarts" if restarts >= max_restarts
+                    else "before any training step" if size is None
+                    else f"at the smallest micro-batch allowed ({size})"
+                )
+                print(
+                    f"keras-memopt run: the training process died of {_signal_name(returncode)} "
+                    f"{why}; not restarting.",
+                    file=sys.stderr,
+                )
+                return returncode
+            cap = max(min_micro_batch_size, min(size - 1, int(size * factor)))
+            env[CAP_VARIABLE] = str(cap)
+            restarts += 1
+            if verbose:
+                print(
+                    f"keras-memopt run: the training process died of {_signal_name(returncode)} "
+                    f"at micro_batch_size={size}; restarting it (restart {restarts} of at most "
+                    f"{max_restarts}) with micro_batch_size at most {cap}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _run(command, env):
+    """Runs `command` to its end; on Ctrl-C stops it and returns 130."""
+    process = subprocess.Popen(command, env=env)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        print("\nkeras-memopt run: interrupted.", file=sys.stderr)
+        return 130

@@ -1,0 +1,154 @@
+"""`keras-memopt run`: a training process that dies is restarted with a smaller micro-batch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import LEGACY
+
+from keras_memopt import _subprocess, supervise
+
+# Trains an MLP with Dropout and BatchNorm for four epochs with
+# keras_memopt's BackupAndRestore (Keras 3's own does not back up the seed
+# generators, so a resumed Dropout draws other masks). While its micro-batch
+# is larger than `crash_above`, the process dies of SIGSEGV at the first step
+# of epoch 2 (a stand-in for TensorFlow's own crash under memory pressure,
+# which cannot be produced on demand here: the sweep in test_oom_backoff.py
+# runs the real thing); `switch_at`, for the reference run, sets the
+# micro-batch instead.
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import keras_memopt as kmo
+    from keras_memopt import AccumulatingModel
+    from keras_memopt._keras import keras
+
+    out, backup, crash_above, switch_at, switch_to = sys.argv[1:6]
+    crash_above, switch_at, switch_to = int(crash_above), int(switch_at), int(switch_to)
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(96, 6)).astype("float32")
+    y = rng.randint(0, 3, 96)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    if keras.__name__ == "tf_keras":
+        hidden = keras.layers.Dropout(0.3, seed=1, rng_type="stateless")(hidden)
+    else:
+        hidden = keras.layers.Dropout(0.3, seed=1)(hidden)
+    model = AccumulatingModel(inputs, keras.layers.Dense(3)(hidden), micro_batch_size=32)
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch  # BackupAndRestore starts a restart at its epoch
+            if epoch == switch_at:
+                self.model.micro_batch_size = switch_to
+
+        def on_train_batch_begin(self, batch, logs=None):
+            size = self.model.micro_batch_size_for(32)
+            if self.epoch == 2 and batch == 0 and size > crash_above:
+                os.kill(os.getpid(), signal.SIGSEGV)
+
+    callbacks = [kmo.callbacks.BackupAndRestore(backup), Crash()]
+    model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    np.savez(out, *model.get_weights(), size=model.micro_batch_size_for(32))
+    """
+)
+
+
+def _keras_env():
+    return {**_subprocess.tensorflow_env(), "TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
+
+
+@pytest.mark.slow
+def test_a_crashed_run_restarts_smaller_and_ends_as_a_run_that_switched(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    supervised = tmp_path / "supervised.npz"
+    command = [
+        sys.executable, "-m", "keras_memopt.cli", "run", "--factor", "0.5", "--",
+        sys.executable, str(script), str(supervised), str(tmp_path / "backup"), "8", "-1", "0",
+    ]
+    result = subprocess.run(
+        command, env={**os.environ, **_keras_env()}, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    restarts = [line for line in result.stderr.splitlines() if "restarting it" in line]
+    assert len(restarts) == 2, result.stderr[-3000:]
+    assert "died of SIGSEGV at micro_batch_size=32" in restarts[0]
+    assert "with micro_batch_size at most 16" in restarts[0]
+    assert "died of SIGSEGV at micro_batch_size=16" in restarts[1]
+
+    # The run that never crashed: epochs 0 and 1 at 32, then 8 (the backup is
+    # taken at each epoch's end; the restarts redo epoch 2 from its start).
+    reference = tmp_path / "reference.npz"
+    output = _subprocess.run(
+        [str(script), str(reference), str(tmp_path / "backup_reference"), "1000", "2", "8"],
+        env=_keras_env(),
+        timeout=600,
+    )
+    assert output.returncode == 0, output.tail()
+    received, expected = np.load(supervised), np.load(reference)
+    assert int(received["size"]) == 8
+    assert sorted(received.files) == sorted(expected.files)
+    for key in expected.files:
+        np.testing.assert_allclose(received[key], expected[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_an_error_exit_is_not_restarted(tmp_path):
+    code = "import sys; print('trained'); sys.exit(3)"
+    assert supervise.supervise([sys.executable, "-c", code], verbose=0) == 3
+
+
+def test_a_crash_before_any_step_is_not_restarted(tmp_path, capsys):
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"
+    returncode = supervise.supervise([sys.executable, "-c", code])
+    assert returncode == -signal.SIGABRT
+    assert "died of SIGABRT before any training step; not restarting" in capsys.readouterr().err
+
+
+def test_the_cap_reaches_the_model(monkeypatch):
+    from keras_memopt import AccumulatingModel
+    from keras_memopt._keras import keras
+
+    monkeypatch.setenv(supervise.CAP_VARIABLE, "12")
+    inputs = keras.Input((3,))
+    model = AccumulatingModel(inputs, keras.layers.Dense(1)(inputs), accumulation_steps=2)
+    assert model.micro_batch_size_for(64) == 12  # 32 by the steps, capped
+    assert model.micro_batch_size_for(16) == 8
+    monkeypatch.setenv(supervise.CAP_VARIABLE, "zero")
+    with pytest.raises(ValueError, match="KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE must be a positive"):
+        AccumulatingModel(inputs, keras.layers.Dense(1)(inputs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(command=[]), r"`command` must name the training command"),
+        (dict(command=["x"], factor=1.5), r"`factor` must be a number between 0 and 1"),
+        (dict(command=["x"], min_micro_batch_size=0), r"`min_micro_batch_size` must be"),
+        (dict(command=["x"], max_restarts=-1), r"`max_restarts` must be a non-negative"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        supervise.supervise(**kwargs)
+
+
+def test_the_state_file_is_written_whole(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    monkeypatch.setenv(supervise.STATE_VARIABLE, str(path))
+    reporter = supervise.Reporter()
+    reporter.report(64)
+    reporter.report(64)
+    reporter.report(32)
+    assert json.loads(path.read_text()) == {"micro_batch_size": 32}
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
