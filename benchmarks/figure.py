@@ -39,10 +39,10 @@ CONFIGS = [
 
 def measure(config):
     """In the child: trains one configuration; returns its resident and step peak bytes."""
+    import _common
     import numpy as np
     import tensorflow as tf
 
-    import _common
     from keras_memopt import AccumulatingModel
     from keras_memopt._keras import keras
 
