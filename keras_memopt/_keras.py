@@ -401,5 +401,9 @@ def one_step_function(model, kind, step=None):
 
     if not model.run_eagerly:
         jit_compile = False if LEGACY else bool(model.jit_compile)
-        one_step = tf.function(one_step, reduce_retracing=True, jit_compile=jit_compile)
+        # As each line's own step functions: tf_keras converts the step with
+        # AutoGraph, Keras 3 does not.
+        one_step = tf.function(
+            one_step, reduce_retracing=True, jit_compile=jit_compile, autograph=LEGACY
+        )
     return one_step

@@ -70,8 +70,10 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
       pass over the batch before the loop, in inference mode). A term of
       `model.losses` (`add_loss`) that sums over samples counts once per
       micro-batch; one that averages counts with the micro-batch's share; a
-      term that does neither is refused at the first step, as are compiled
-      losses that do not average over samples (see the README).
+      term that does neither is refused at the first step, and so is a loss
+      function that does not average over samples (a `keras.losses.Loss` with
+      a reduction other than the default is refused at `compile`). The user
+      guide's accumulation page states the rules.
     - Sparse gradients (an `Embedding`'s) stay sparse: the optimizer gets one
       `tf.IndexedSlices` with every micro-batch's rows, as from one tape over
       the whole batch.

@@ -189,6 +189,17 @@ class TestIsolation:
         # 64 samples are far below those of 512.
         assert measured[512] > measured[64] * 1.5
 
+    def test_an_accumulating_model_is_rebuilt_in_the_fresh_process(self, keras_module):
+        # tf_keras's JSON names the class without its package: the child must
+        # still find AccumulatingModel (it found a string instead).
+        inputs = keras_module.Input((8,))
+        model = AccumulatingModel(
+            inputs, keras_module.layers.Dense(2)(inputs), micro_batch_size=4
+        )
+        planner = MemoryPlanner(model, optimizer="sgd", device="CPU:0", isolate=True)
+        measured = planner.profile((4, 8), batch_size=16)
+        assert set(measured) == {4, 8} and all(peak > 0 for peak in measured.values())
+
     def test_a_model_it_cannot_rebuild_is_measured_here_with_a_warning(self, keras_module):
         class Doubler(keras_module.layers.Layer):  # not registered: no subprocess can load it
             def call(self, inputs):

@@ -108,9 +108,10 @@ class MemoryLogger(keras.callbacks.Callback):
     Args:
         filename: str or path, a CSV file for the logger's own rows. Defaults
             to None (figures go into `logs` only).
-        every_n_batches: int, also read every this many training batches
-            (own CSV, TensorBoard and plot only; `logs` get epoch figures).
-            Defaults to None (once per epoch).
+        every_n_batches: int, read every this many training batches instead
+            of once per epoch (own CSV, TensorBoard and plot; `logs` still get
+            epoch figures). An epoch shorter than that writes no row of its
+            own. Defaults to None (once per epoch).
         devices: list of str, the logical devices to read. Defaults to every
             GPU, or `["CPU:0"]` without GPUs.
         tensorboard_dir: str, a directory for the logger's own TensorBoard

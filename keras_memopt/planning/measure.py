@@ -147,9 +147,15 @@ def measure_in_child(spec):
     tf.config.threading.set_inter_op_parallelism_threads(spec["inter_op_threads"])
     tf.config.threading.set_intra_op_parallelism_threads(spec["intra_op_threads"])
     keras.mixed_precision.set_global_policy(spec["policy"])
+    # tf_keras's JSON names a registered class without its package.
+    registered = keras.saving.get_registered_object("keras_memopt>AccumulatingModel")
     try:
-        model = keras.models.model_from_json(spec["model"])
+        model = keras.models.model_from_json(
+            spec["model"], custom_objects={"AccumulatingModel": registered}
+        )
         optimizer = keras.optimizers.deserialize(spec["optimizer"])
     except Exception as error:  # noqa: BLE001 - any failure means "cannot rebuild here"
         return {"unloadable": f"{type(error).__name__}: {error}".replace("\n", " ")}
+    if not isinstance(model, keras.Model):
+        return {"unloadable": f"the JSON gave {type(model).__name__}, not a model"}
     return {"peak": measure_step(model, optimizer, spec["batch"], spec["micro"], spec["device"])}
