@@ -1,4 +1,4 @@
-"""keras_memopt.callbacks.BackupAndRestore: training resumed from a backup ends as if never stopped."""
+"""keras_memopt.callbacks.BackupAndRestore: resumed training ends as if never stopped."""
 
 import numpy as np
 import pytest
