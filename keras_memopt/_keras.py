@@ -297,13 +297,6 @@ class replaying:  # noqa: N801 (a context manager, named like one)
 # -- out-of-memory recovery (keras_memopt._oom) --------------------------------
 
 
-def multi_worker(strategy):
-    """Whether `strategy` spans several worker processes (as Keras itself tests it)."""
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
-        strategy.extended._in_multi_worker_mode()
-    )
-
-
 def global_random_state():
     """Keras 3's global seed generator's state (random ops called without a seed).
 
@@ -339,71 +332,9 @@ def steps_per_execution(model):
     return int(model.steps_per_execution or 1)
 
 
-def _reduce_per_replica(values, strategy, reduction):
-    """Keras's reduction of per-replica step outputs (single host)."""
-    if reduction == "auto":
-        tpu = isinstance(strategy, tf.distribute.TPUStrategy)
-        # tf_keras sums, Keras 3 averages (the values agree across replicas).
-        reduction = "first" if tpu else ("sum" if LEGACY else "mean")
-
-    def reduce(value):
-        if not isinstance(value, tf.distribute.DistributedValues):
-            return value
-        local = strategy.experimental_local_results(value)
-        if reduction == "first":
-            return local[0]
-        if reduction == "concat":
-            return tf.concat(local, axis=0)
-        if reduction == "mean":
-            return tf.reduce_mean(local, axis=0)
-        return tf.reduce_sum(local)
-
-    return tf.nest.map_structure(reduce, values)
-
-
 def strip_optionals(data):
     """Keras 3 feeds missing elements as empty `tf.experimental.Optional`s (or their specs)."""
     return tf.nest.map_structure(
         lambda t: None if isinstance(t, (tf.experimental.Optional, tf.OptionalSpec)) else t,
         data,
     )
-
-
-def one_step_function(model, kind, step=None):
-    """A function that runs one `kind` step on one batch of data (not an iterator).
-
-    Keras's own step functions pull the batch from a `tf.data` iterator inside
-    the graph, so a failed step cannot be retried on the same batch. This is
-    their one-batch equivalent: the same distribution, reduction and (tf_keras)
-    step counter. Unless the model runs eagerly it is a `tf.function`, so
-    `get_concrete_function(data)` creates the optimizer's and metrics' variables
-    without running a step.
-    """
-    step = step or getattr(model, f"{kind}_step")
-    counter = getattr(model, f"_{kind}_counter", None) if LEGACY else None
-    strategy = model.distribute_strategy
-    reduction = "concat" if kind == "predict" else "auto"
-    if kind != "predict" and getattr(model, "_distribute_reduction_method", None):
-        reduction = model._distribute_reduction_method
-
-    def run_step(data):
-        outputs = step(data)
-        if counter is not None:
-            tensors = tf.nest.flatten(outputs, expand_composites=True)
-            first = [t for t in tensors if not isinstance(t, tf.Variable)][:1]
-            with tf.control_dependencies(first):  # count only steps that ran
-                counter.assign_add(1)
-        return outputs
-
-    def one_step(data):
-        outputs = strategy.run(run_step, args=(data,))
-        return _reduce_per_replica(outputs, strategy, reduction)
-
-    if not model.run_eagerly:
-        jit_compile = False if LEGACY else bool(model.jit_compile)
-        # As each line's own step functions: tf_keras converts the step with
-        # AutoGraph, Keras 3 does not.
-        one_step = tf.function(
-            one_step, reduce_retracing=True, jit_compile=jit_compile, autograph=LEGACY
-        )
-    return one_step

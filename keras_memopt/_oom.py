@@ -19,6 +19,7 @@ import time
 import tensorflow as tf
 
 from keras_memopt import _keras as K
+from keras_memopt import distribute
 from keras_memopt.memory import allocator_memory, format_bytes, parse_bytes
 
 _DISGUISED = (
@@ -229,7 +230,8 @@ class Snapshot:
         self._read = self._write = None
 
     def _refresh(self):
-        variables = state_variables(self.model)
+        strategy = self.model.distribute_strategy
+        variables = distribute.local_variables(state_variables(self.model), strategy)
         if self._variables is None or [id(v) for v in variables] != [
             id(v) for v in self._variables
         ]:

@@ -20,7 +20,7 @@ import time
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _oom, supervise
+from keras_memopt import _oom, distribute, supervise
 
 
 def batch_size_of(data):
@@ -50,15 +50,20 @@ class StepRunner:
         kind: "train", "test" or "predict".
         step: the step to run on one replica's batch. Defaults to the model's
             `<kind>_step`.
+        halves: `(local, finish)`, the step in two halves, the first without
+            collective ops (see `distribute.Agreement`), or None: what lets
+            several workers retry an out-of-memory error together.
         first_batch: called with the first batch before its step (once per
             runner), or None.
         chose: called with the `micro_batch_size="auto"` search's report.
     """
 
-    def __init__(self, model, kind, step=None, first_batch=None, chose=None):
+    def __init__(self, model, kind, step=None, halves=None, first_batch=None, chose=None):
         self.model = model
         self.kind = kind
         self._replica_step = step
+        self._halves = halves
+        self._agreement = None
         self._first_batch = first_batch
         self._chose = chose
         self._one_step = None
@@ -70,6 +75,7 @@ class StepRunner:
         """Forgets the traced step: the next step traces it again."""
         self._one_step = None
         self._concrete = {}
+        self._agreement = None
 
     def __call__(self, arg):
         # Traced for what the iterator yields (its batch axis unknown where the
@@ -96,7 +102,9 @@ class StepRunner:
     def _step(self, data, spec=None):
         """The step function for `data` (traced for `spec` when given)."""
         if self._one_step is None:
-            self._one_step = K.one_step_function(self.model, self.kind, self._replica_step)
+            self._one_step = distribute.one_step_function(
+                self.model, self.kind, self._replica_step
+            )
         if not hasattr(self._one_step, "get_concrete_function"):
             return self._one_step  # run eagerly
         spec = K.strip_optionals(spec) if spec is not None else data
@@ -126,7 +134,10 @@ class StepRunner:
         if policy is None:
             self._reporter.report(self._in_use(data))
             return self._step(data, spec)(data)
-        outputs = self._retrying(data, spec, policy, search)
+        if distribute.multi_worker(model.distribute_strategy):
+            outputs = self._agreeing(data, spec, policy, search)
+        else:
+            outputs = self._retrying(data, spec, policy, search)
         if search is not None and self._chose is not None:
             self._chose(search.report(self._in_use(data)))
         if self.kind == "train" and isinstance(outputs, dict):
@@ -154,6 +165,68 @@ class StepRunner:
             recovery = time.perf_counter()
             self._snapshot.restore(taken)
             del taken
+            if search is not None:
+                search.failed(current, failed_seconds)
+            model.micro_batch_size = policy.next_size(current, failed)
+            policy.record(
+                dict(
+                    kind=self.kind,
+                    allocation=_oom.allocation_note(failed),
+                    failed_micro_batch_size=current,
+                    micro_batch_size=model.micro_batch_size,
+                    failed_step_seconds=failed_seconds,
+                    recovery_seconds=time.perf_counter() - recovery,
+                )
+            )
+            del failed
+
+    def _agreeing(self, data, spec, policy, search):
+        """`_retrying` across workers: every worker retries when any runs out of memory."""
+        if self._halves is None:
+            raise ValueError(
+                "Under MultiWorkerMirroredStrategy, OOMBackoff and "
+                'micro_batch_size="auto" need AccumulatingModel\'s own '
+                f"{self.kind} step, which it splits so that all workers can retry "
+                "together; a custom step cannot be split. Remove OOMBackoff, or "
+                f"train with the model's own step. Received: a custom {self.kind}_step "
+                f"of {type(self.model).__name__}"
+            )
+        if self._agreement is None:
+            self._agreement = distribute.Agreement(self.model, self.kind, *self._halves)
+            if hasattr(self._agreement.local, "get_concrete_function"):
+                self._agreement.local.get_concrete_function(spec or data)
+        agreement, model = self._agreement, self.model
+        while True:
+            current = self._in_use(data)
+            self._reporter.report(current)
+            taken = self._snapshot.take()
+            started = time.perf_counter()
+            status, failed = distribute.OK, None
+            try:
+                outputs = agreement.local(data)
+            except tf.errors.OpError as error:
+                failed = error
+                status = distribute.OUT_OF_MEMORY if _oom.is_oom(error) else distribute.FAILED
+            failed_seconds = time.perf_counter() - started
+            total = float(agreement.agree(tf.constant(status, tf.float32)))
+            if total == distribute.OK:
+                return agreement.finish(outputs)
+            recovery = time.perf_counter()
+            self._snapshot.restore(taken)
+            del taken
+            if total >= distribute.FAILED:
+                if status == distribute.FAILED:
+                    raise failed
+                raise tf.errors.AbortedError(
+                    None, None,
+                    "Another worker's step failed (not with an out-of-memory error "
+                    "this worker could retry); every worker stops here, with the "
+                    "model as it was before the step.",
+                )
+            if failed is None:
+                failed = tf.errors.ResourceExhaustedError(
+                    None, None, "OOM on another worker: every worker retries the step."
+                )
             if search is not None:
                 search.failed(current, failed_seconds)
             model.micro_batch_size = policy.next_size(current, failed)

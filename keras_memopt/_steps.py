@@ -44,6 +44,18 @@ def _update_counters(model):
 class MicroBatchSteps:
     """The steps of `AccumulatingModel` (a mixin: see that class)."""
 
+    def _split_step(self, kind):
+        """`(local, finish)`: the built-in `kind` step in two halves, the first
+        without collective ops, or None for a custom step or `predict`."""
+        own = getattr(type(self), f"{kind}_step") is getattr(MicroBatchSteps, f"{kind}_step")
+        if kind == "train" and own:
+            return self._local_train_step, lambda outputs: self._update(*outputs)
+        if kind == "test" and own:
+            return self._local_test_step, lambda outputs: self._test_logs(*outputs)
+        if kind == "predict" and own:
+            return self.predict_step, None
+        return None
+
     def _checked_train_step(self, data):
         """`train_step`, warning once when a custom one splits nothing."""
         self._accumulating = False
@@ -129,6 +141,10 @@ class MicroBatchSteps:
 
     def train_step(self, data):
         self._accumulating = True
+        return self._update(*self._local_train_step(data))
+
+    def _local_train_step(self, data):
+        """The batch's loss, size and summed gradients; no collective op (no update)."""
         x, y, sample_weight = self._unpack(data)
         batch_size = _loop.batch_size_of((x, y, sample_weight))
         variables = self.trainable_variables
@@ -153,12 +169,21 @@ class MicroBatchSteps:
         loss, gradients = self._accumulate_losses(
             micro_step, (x, y, sample_weight), batch_size, masked
         )
+        return loss, batch_size, gradients
+
+    def _update(self, loss, batch_size, gradients):
+        """The step's update (across replicas) and its logs."""
         K.track_loss(self, loss, batch_size)
+        variables = self.trainable_variables
         if variables:
             K.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
 
     def test_step(self, data):
+        return self._test_logs(*self._local_test_step(data))
+
+    def _local_test_step(self, data):
+        """The batch's loss and size, metrics updated; no collective op."""
         x, y, sample_weight = self._unpack(data)
         batch_size = _loop.batch_size_of((x, y, sample_weight))
         masked = []
@@ -174,6 +199,9 @@ class MicroBatchSteps:
             return tf.cast(loss, tf.float32)
 
         loss = self._accumulate_losses(micro_step, (x, y, sample_weight), batch_size, masked)
+        return loss, batch_size
+
+    def _test_logs(self, loss, batch_size):
         K.track_loss(self, loss, batch_size)
         return self.get_metrics_result()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses, _runner, supervise
+from keras_memopt import _loop, _losses, _runner, distribute, supervise
 from keras_memopt import remat as _remat
 from keras_memopt._steps import MicroBatchSteps
 from keras_memopt._validation import positive_int
@@ -381,7 +381,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
             first = self._loss_split.check if kind != "predict" and own_step else None
             step = self._checked_train_step if kind == "train" else None
             runner = _runner.StepRunner(
-                self, kind, step=step, first_batch=first, chose=self._record_search
+                self, kind, step=step, halves=self._split_step(kind), first_batch=first,
+                chose=self._record_search,
             )
             setattr(self, attribute, runner)
         return getattr(self, attribute)
@@ -394,6 +395,26 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
 
     def make_predict_function(self, force=False):
         return self._make_runner("predict", force)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 (tf_keras never calls it): under several workers, Keras's own
+        # reduces the first batch across replicas, which fails.
+        strategy = self.distribute_strategy
+        if iterator is not None and distribute.multi_worker(strategy):
+            iterator, data_batch = None, distribute.first_local_batch(strategy, iterator)
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def save(self, filepath, *args, **kwargs):
+        # Under several workers Keras 3 makes every worker write the same file
+        # (`ModelCheckpoint` included): the chief writes, the others skip.
+        if distribute.writes_files(self.distribute_strategy):
+            return super().save(filepath, *args, **kwargs)
+        return None
+
+    def save_weights(self, filepath, *args, **kwargs):
+        if distribute.writes_files(self.distribute_strategy):
+            return super().save_weights(filepath, *args, **kwargs)
+        return None
 
     def _record_search(self, report):
         # A plain dict: Keras would otherwise track (and wrap) it as model state.

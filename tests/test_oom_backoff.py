@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 from conftest import LEGACY, run_python
 
-from keras_memopt import AccumulatingModel, _keras, _oom, _runner
+from keras_memopt import AccumulatingModel, _keras, _oom, _runner, distribute
 from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 
@@ -36,7 +36,7 @@ FAKE_MESSAGE = (
 def fake_oom(monkeypatch):
     """Steps whose micro-batch exceeds `limit["size"]` run, then raise OOM."""
     limit = {"size": None, "raised": 0}
-    real = _keras.one_step_function
+    real = distribute.one_step_function
 
     def one_step_function(model, kind, replica_step=None):
         step = real(model, kind, replica_step)
@@ -56,7 +56,7 @@ def fake_oom(monkeypatch):
         run.get_concrete_function = lambda spec: faulty(step.get_concrete_function(spec))
         return run
 
-    monkeypatch.setattr(_keras, "one_step_function", one_step_function)
+    monkeypatch.setattr(distribute, "one_step_function", one_step_function)
     return limit
 
 
@@ -503,12 +503,12 @@ def test_soak_repeated_oom_keeps_memory_flat():
 SOAK = """
 import gc, json, os
 import numpy as np, psutil, tensorflow as tf
-from keras_memopt import _keras, _oom
+from keras_memopt import _keras, _oom, distribute
 from keras_memopt._keras import keras
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import OOMBackoff
 
-real = _keras.one_step_function
+real = distribute.one_step_function
 def one_step_function(model, kind, replica_step=None):
     step = real(model, kind, replica_step)
     def faulty(function):
@@ -521,7 +521,7 @@ def one_step_function(model, kind, replica_step=None):
     run = faulty(step)
     run.get_concrete_function = lambda spec: faulty(step.get_concrete_function(spec))
     return run
-_keras.one_step_function = one_step_function
+distribute.one_step_function = one_step_function
 
 class Regrow(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):

@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from keras_memopt import _keras as K
+from keras_memopt import distribute
 from keras_memopt._keras import keras
 
 _RANDOM_STATE = "random_state.npz"
@@ -55,8 +56,7 @@ class _BackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def _writes(self):
-        strategy = self.model.distribute_strategy
-        return not K.multi_worker(strategy) or strategy.extended.should_checkpoint
+        return distribute.writes_files(self.model.distribute_strategy)
 
     def _save_model(self):
         if not self._writes():
