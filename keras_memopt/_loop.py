@@ -50,15 +50,22 @@ class MicroBatchSetting:
             )
             self._steps = tf.Variable(1, trainable=False, name="accumulation_steps")
 
-    def assign(self, size: int | None, steps: int | None):
-        """Sets samples per micro-batch, or micro-batches per batch (or neither)."""
+    def assign(self, size, steps: int | None):
+        """Sets samples per micro-batch (one for all replicas or one per replica),
+        or micro-batches per batch, or neither."""
         self.size, self.steps = size, steps
+        sizes = list(size) if isinstance(size, tuple) else [size or 0] * self.replicas
         with tf.init_scope():
-            self._sizes.assign([size or 0] * self.replicas)
+            self._sizes.assign(sizes)
             self._steps.assign(steps or 1)
 
-    def in_use(self, batch_size: int | None) -> int | None:
-        """The micro-batch size a step on `batch_size` samples runs with (None: unknown)."""
+    def in_use(self, batch_size: int | None):
+        """The micro-batch size a step on `batch_size` samples runs with (None: unknown).
+
+        A tuple, one per replica, when the sizes were given per replica.
+        """
+        if isinstance(self.size, tuple):
+            return tuple(size if self.cap is None else min(size, self.cap) for size in self.size)
         if self.size is not None:
             size = min(self.size, batch_size or self.size)
         elif batch_size is None:

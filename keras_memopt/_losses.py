@@ -231,10 +231,10 @@ class TrackerFix:
             (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers
         ]
 
-    def apply(self, weight):
+    def apply(self, weight, scale=1.0):
         for tracker, (total, count) in zip(self.trackers, self.before, strict=True):
             # Inside the loop each micro-batch added its share of the loss with weight one.
-            loss = tracker.total - total
+            loss = (tracker.total - total) * scale
             tracker.total.assign(total)
             tracker.count.assign(count)
             tracker.update_state(loss, sample_weight=weight)

@@ -285,11 +285,18 @@ class BackoffPolicy:
                 `current` is already the smallest size allowed.
         """
         minimum = self.min_micro_batch_size
-        if current is None or current <= minimum:
+        sizes = current if isinstance(current, tuple) else (current,)
+        if current is None or all(size <= minimum for size in sizes):
             raise tf.errors.ResourceExhaustedError(
                 None, None, oom_report(error, current, minimum)
             ) from error
-        return max(minimum, min(current - 1, int(current * self.factor)))
+        # Per-replica sizes all shrink: the failed step does not say which
+        # replica's memory ran out.
+        shrunk = tuple(
+            size if size <= minimum else max(minimum, min(size - 1, int(size * self.factor)))
+            for size in sizes
+        )
+        return shrunk if isinstance(current, tuple) else shrunk[0]
 
     def record(self, event):
         if self.on_backoff is not None:

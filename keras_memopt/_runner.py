@@ -121,10 +121,13 @@ class StepRunner:
     def run(self, data, spec=None):
         """Runs one step on `data`; backs off and retries on out-of-memory."""
         data = K.strip_optionals(data)
+        model = self.model
+        if model.replica_shares is not None:
+            data = distribute.split_by_shares(data, model.distribute_strategy, model.replica_shares)
+            spec = None  # the parts' shapes are not the iterator's
         if self._first_batch is not None:
             first, self._first_batch = self._first_batch, None
             first(data)
-        model = self.model
         policy = model.oom_policy
         search = None
         if model.micro_batch_size == "auto":
@@ -143,7 +146,9 @@ class StepRunner:
         if self.kind == "train" and isinstance(outputs, dict):
             # Into the step's logs, so that every callback sees it, whatever
             # its place in the list.
-            outputs = {**outputs, "micro_batch_size": self._in_use(data)}
+            size = self._in_use(data)
+            size = max(size) if isinstance(size, tuple) else size  # the largest replica's
+            outputs = {**outputs, "micro_batch_size": size}
         return outputs
 
     def _retrying(self, data, spec, policy, search):

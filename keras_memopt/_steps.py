@@ -15,7 +15,7 @@ import warnings
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses
+from keras_memopt import _loop, _losses, distribute
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 
@@ -129,15 +129,19 @@ class MicroBatchSteps:
         `micro_step` appends to `masked` whether the outputs carry masks
         (known when it is traced, before the loop is built).
         """
-        size = self._setting.micro_batch_size(batch_size)
+        replica_batch = _loop.batch_size_of(data)
+        size = self._setting.micro_batch_size(replica_batch)
         jit = self._micro_batch_jit_compile
         no_counts = tf.zeros([0])  # `valid` when no output carries a mask
         traced = _loop.micro_function(micro_step, data, no_counts, jit_compile=jit)
         valid = self._valid_counts(data[0], size) if masked[-1] else no_counts
         trackers = _losses.TrackerFix(self)
         outputs = _loop.accumulate(micro_step, data, size, valid, traced=traced)
-        trackers.apply(K.static_batch_dim(data[0]))
-        return outputs
+        # With uneven replica shares, what the loss shares count against is
+        # not this replica's batch: the trackers take this replica's mean.
+        scale = tf.cast(batch_size, tf.float32) / tf.cast(replica_batch, tf.float32)
+        trackers.apply(K.static_batch_dim(data[0]), scale)
+        return outputs, scale
 
     def train_step(self, data):
         self._accumulating = True
@@ -146,7 +150,8 @@ class MicroBatchSteps:
     def _local_train_step(self, data):
         """The batch's loss, size and summed gradients; no collective op (no update)."""
         x, y, sample_weight = self._unpack(data)
-        batch_size = _loop.batch_size_of((x, y, sample_weight))
+        replica_batch = _loop.batch_size_of((x, y, sample_weight))
+        batch_size = distribute.effective_batch_size(replica_batch, self._replica_shares)
         variables = self.trainable_variables
         counters = _update_counters(self)
         starts = [counter.read_value() for counter in counters]
@@ -166,10 +171,10 @@ class MicroBatchSteps:
             K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return tf.cast(loss, tf.float32), gradients
 
-        loss, gradients = self._accumulate_losses(
+        (loss, gradients), scale = self._accumulate_losses(
             micro_step, (x, y, sample_weight), batch_size, masked
         )
-        return loss, batch_size, gradients
+        return loss * scale, replica_batch, gradients
 
     def _update(self, loss, batch_size, gradients):
         """The step's update (across replicas) and its logs."""
@@ -185,7 +190,8 @@ class MicroBatchSteps:
     def _local_test_step(self, data):
         """The batch's loss and size, metrics updated; no collective op."""
         x, y, sample_weight = self._unpack(data)
-        batch_size = _loop.batch_size_of((x, y, sample_weight))
+        replica_batch = _loop.batch_size_of((x, y, sample_weight))
+        batch_size = distribute.effective_batch_size(replica_batch, self._replica_shares)
         masked = []
 
         def micro_step(micro, valid):
@@ -198,8 +204,10 @@ class MicroBatchSteps:
             K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return tf.cast(loss, tf.float32)
 
-        loss = self._accumulate_losses(micro_step, (x, y, sample_weight), batch_size, masked)
-        return loss, batch_size
+        loss, scale = self._accumulate_losses(
+            micro_step, (x, y, sample_weight), batch_size, masked
+        )
+        return loss * scale, replica_batch
 
     def _test_logs(self, loss, batch_size):
         K.track_loss(self, loss, batch_size)

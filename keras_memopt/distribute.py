@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from keras_memopt import _keras as K
@@ -35,6 +37,133 @@ def writes_files(strategy) -> bool:
     (tf_keras sends non-chief workers' files to temporary paths itself.)
     """
     return K.LEGACY or not multi_worker(strategy) or bool(strategy.extended.should_checkpoint)
+
+
+def share_sizes(batch_size: int, shares) -> list[int]:
+    """Samples per replica when a batch of `batch_size` is split by `shares`.
+
+    In proportion, rounded so that they add up to the batch; a replica's
+    part is never negative, and the earlier replicas get the remainder.
+    """
+    total = sum(shares)
+    sizes = [int(batch_size * share // total) for share in shares]
+    for index in range(batch_size - sum(sizes)):
+        sizes[index % len(sizes)] += 1
+    return sizes
+
+
+def split_by_shares(data, strategy, shares):
+    """A distributed batch, re-split so that replica r takes its share.
+
+    Keras hands each replica an even part; here the parts are put back
+    together in order (the global batch) and cut again by `shares`.
+    """
+
+    def whole(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return tf.concat(strategy.experimental_local_results(value), axis=0)
+        return value
+
+    data = tf.nest.map_structure(whole, data)
+    leaves = [t for t in tf.nest.flatten(data) if t is not None]
+    sizes = share_sizes(int(leaves[0].shape[0]), shares)
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+
+    def part(context):
+        r = context.replica_id_in_sync_group
+        return tf.nest.map_structure(
+            lambda t: None if t is None else t[starts[r] : starts[r] + sizes[r]], data
+        )
+
+    return strategy.experimental_distribute_values_from_function(part)
+
+
+def resolve_shares(shares, strategy):
+    """`AccumulatingModel`'s `replica_shares`, checked: a tuple of floats, or None."""
+    replicas = strategy.num_replicas_in_sync
+    if shares is None:
+        return None
+    if multi_worker(strategy) or not isinstance(strategy, tf.distribute.MirroredStrategy):
+        raise ValueError(
+            "`replica_shares` splits each batch unevenly among the replicas of a "
+            "`tf.distribute.MirroredStrategy` (one machine); create the model in the "
+            f"scope of one. Received: replica_shares={shares!r} under "
+            f"{type(strategy).__name__}"
+        )
+    if isinstance(shares, str) and shares == "auto":
+        memory = device_memory(strategy)
+        if None in memory:
+            warnings.warn(
+                'replica_shares="auto" could not read every device\'s memory '
+                f"({memory}); the replicas take equal shares.",
+                stacklevel=3,
+            )
+            return tuple(1.0 for _ in memory)
+        return tuple(float(size) for size in memory)
+    valid = (
+        isinstance(shares, (list, tuple))
+        and len(shares) == replicas
+        and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in shares
+        )
+    )
+    if not valid:
+        raise ValueError(
+            "`replica_shares` must be 'auto' or a list of positive numbers, one per "
+            f"replica ({replicas} under this strategy): replica r takes "
+            "shares[r] / sum(shares) of every batch. Received: "
+            f"replica_shares={shares!r}"
+        )
+    return tuple(float(v) for v in shares)
+
+
+def effective_batch_size(batch_size, shares):
+    """The replica batch size the loss shares are counted against.
+
+    With even parts, this replica's own; with `shares`, the global batch over
+    the number of replicas (Keras scales each replica's loss by one over the
+    number of replicas), so that uneven parts add up to the global mean.
+    """
+    if shares is None:
+        return batch_size
+    context = tf.distribute.get_replica_context()
+    total = context.all_reduce("SUM", tf.cast(batch_size, tf.float32))
+    return total / context.num_replicas_in_sync
+
+
+def device_memory(strategy) -> list[int | None]:
+    """Each replica's device memory in bytes, where it can be read (else None).
+
+    A logical device's memory limit, else a GPU's total (TensorFlow's device
+    details, or NVML).
+    """
+    sizes = []
+    for device in strategy.extended.worker_devices:
+        spec = tf.DeviceSpec.from_string(device)
+        sizes.append(_device_total(spec.device_type, spec.device_index or 0))
+    return sizes
+
+
+def _device_total(kind, index):
+    if kind != "GPU":
+        return None
+    from keras_memopt import memory
+
+    physical = tf.config.list_physical_devices("GPU")
+    logical = []
+    for gpu in physical:
+        configs = tf.config.get_logical_device_configuration(gpu) or [None]
+        logical.extend((gpu, c) for c in configs)
+    if index >= len(logical):
+        return None
+    gpu, config = logical[index]
+    if config is not None and getattr(config, "memory_limit", None):
+        return int(config.memory_limit) * 2**20
+    try:
+        handle = memory.nvml_handle_of_tf_gpu(physical.index(gpu))
+        return int(memory.nvml().nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # noqa: BLE001 - NVML missing or unusable: unknown
+        return None
 
 
 def local_variables(variables, strategy) -> list:

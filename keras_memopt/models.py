@@ -12,7 +12,7 @@ from keras_memopt._validation import positive_int
 
 keras = K.keras
 
-_SPLIT_ARGS = ("micro_batch_size", "accumulation_steps")
+_SETTING_ARGS = ("micro_batch_size", "accumulation_steps", "remat", "replica_shares")
 
 
 def _validate_split(micro_batch_size, accumulation_steps):
@@ -24,8 +24,15 @@ def _validate_split(micro_batch_size, accumulation_steps):
             f"micro_batch_size={micro_batch_size!r}, "
             f"accumulation_steps={accumulation_steps!r}"
         )
-    if micro_batch_size == "auto":  # resolved by the step runner at the first step
-        return "auto", None
+    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
+        return "auto", None  # resolved by the step runner at the first step
+    if isinstance(micro_batch_size, (list, tuple)):
+        if not micro_batch_size:
+            raise ValueError(
+                "`micro_batch_size` as a list gives one size per replica; it cannot be "
+                f"empty. Received: micro_batch_size={micro_batch_size!r}"
+            )
+        return tuple(positive_int("micro_batch_size", size) for size in micro_batch_size), None
     if micro_batch_size is not None:
         return positive_int("micro_batch_size", micro_batch_size), None
     if accumulation_steps is None:
@@ -172,10 +179,12 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         micro_batch_size: int | str | None = None,
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
+        replica_shares: list[float] | str | None = None,
         **kwargs,
     ):
         split = _validate_split(micro_batch_size, accumulation_steps)
         remat = _remat.validate_remat(remat)
+        shares = distribute.resolve_shares(replica_shares, tf.distribute.get_strategy())
         functional = K.is_functional_call(args, kwargs)
         _check_remat_target(remat, functional, self)
         if functional and not isinstance(self, K.Functional):
@@ -191,6 +200,7 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         )
         self._micro_batch_size = self._accumulation_steps = None
         self._set_split(*split)
+        self._replica_shares = shares
         self._micro_batch_jit_compile = False
         self._loss_split = _losses.LossSplit(self)
         self._accumulating = False
@@ -275,6 +285,11 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         self._set_split(accumulation_steps=value)
 
     @property
+    def replica_shares(self) -> tuple[float, ...] | None:
+        """Each replica's share of every batch, or None (even parts, as Keras splits)."""
+        return self._replica_shares
+
+    @property
     def micro_batch_jit_compile(self) -> bool:
         """Whether each micro-batch's step is compiled with XLA."""
         return self._micro_batch_jit_compile
@@ -287,8 +302,16 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
 
     def _set_split(self, micro_batch_size=None, accumulation_steps=None):
         split = _validate_split(micro_batch_size, accumulation_steps)
+        replicas = self._setting.replicas
+        if isinstance(split[0], tuple) and len(split[0]) != replicas:
+            raise ValueError(
+                "`micro_batch_size` as a list gives one size per replica, and the "
+                f"model's strategy has {replicas} replica(s). Received: "
+                f"micro_batch_size={list(split[0])!r}"
+            )
         self._micro_batch_size, self._accumulation_steps = split
-        self._setting.assign(split[0] if isinstance(split[0], int) else None, split[1])
+        size = split[0] if split[0] != "auto" else None
+        self._setting.assign(size, split[1])
 
     def micro_batch_size_for(self, batch_size: int | None) -> int | None:
         """The micro-batch size a step on a batch of `batch_size` samples runs with.
@@ -361,11 +384,9 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         # Keras skips an overridden `compile` when loading a model; this one
         # only adds checks, so a loaded model comes back compiled.
         config = dict(config)
-        setting = dict(config.pop("micro_batch", None) or {})
+        setting = config.pop("micro_batch", None)
         if setting:
-            remat = setting.pop("remat", None)
-            self._set_split(**setting)
-            self._set_remat(remat)
+            self._apply_setting(setting)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
@@ -423,10 +444,12 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
     # -- serialisation ---------------------------------------------------------------
 
     def _setting_config(self):
+        shares = self._replica_shares
         return dict(
             micro_batch_size=self._micro_batch_size,
             accumulation_steps=self._accumulation_steps,
             remat=self.remat,
+            replica_shares=list(shares) if shares is not None else None,
         )
 
     def get_config(self):
@@ -445,12 +468,18 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        split = {name: config.pop(name, None) for name in _SPLIT_ARGS}
-        remat = config.pop("remat", None)
+        setting = {name: config.pop(name, None) for name in _SETTING_ARGS}
         model = super().from_config(config, custom_objects=custom_objects)
-        model._set_split(**split)
-        model._set_remat(remat)
+        model._apply_setting(setting)
         return model
+
+    def _apply_setting(self, setting):
+        """Sets what `_setting_config` returned (from a config, or a clone's compile config)."""
+        setting = dict(setting)
+        remat, shares = setting.pop("remat", None), setting.pop("replica_shares", None)
+        self._set_split(**setting)
+        self._set_remat(remat)
+        self._replica_shares = distribute.resolve_shares(shares, self.distribute_strategy)
 
 
 _FUNCTIONAL_CLASSES: dict[type, type] = {}

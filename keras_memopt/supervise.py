@@ -80,6 +80,8 @@ class Reporter:
         self._last = None
 
     def report(self, micro_batch_size):
+        if isinstance(micro_batch_size, tuple):  # one per replica
+            micro_batch_size = max(micro_batch_size)
         if self.path is None or micro_batch_size is None or micro_batch_size == self._last:
             return
         # Written whole, then renamed: a crash never leaves half a file.
