@@ -19,6 +19,31 @@ def positive_int(name, value):
     return int(value)
 
 
+def micro_batch_split(micro_batch_size, accumulation_steps):
+    """Checks `AccumulatingModel`'s micro-batch setting; returns it as a validated pair."""
+    if micro_batch_size is not None and accumulation_steps is not None:
+        raise ValueError(
+            "Pass at most one of `micro_batch_size` (samples per micro-batch) "
+            "and `accumulation_steps` (micro-batches per batch). Received: "
+            f"micro_batch_size={micro_batch_size!r}, "
+            f"accumulation_steps={accumulation_steps!r}"
+        )
+    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
+        return "auto", None  # resolved by the step runner at the first step
+    if isinstance(micro_batch_size, (list, tuple)):
+        if not micro_batch_size:
+            raise ValueError(
+                "`micro_batch_size` as a list gives one size per replica; it cannot be "
+                f"empty. Received: micro_batch_size={micro_batch_size!r}"
+            )
+        return tuple(positive_int("micro_batch_size", size) for size in micro_batch_size), None
+    if micro_batch_size is not None:
+        return positive_int("micro_batch_size", micro_batch_size), None
+    if accumulation_steps is None:
+        return None, None
+    return None, positive_int("accumulation_steps", accumulation_steps)
+
+
 def backoff_factor(value):
     """Returns a backoff `factor` as a float in (0, 1), or raises naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:

@@ -8,36 +8,11 @@ from keras_memopt import _keras as K
 from keras_memopt import _loop, _losses, _runner, distribute, supervise
 from keras_memopt import remat as _remat
 from keras_memopt._steps import MicroBatchSteps
-from keras_memopt._validation import positive_int
+from keras_memopt._validation import micro_batch_split
 
 keras = K.keras
 
 _SETTING_ARGS = ("micro_batch_size", "accumulation_steps", "remat", "replica_shares")
-
-
-def _validate_split(micro_batch_size, accumulation_steps):
-    """Checks the micro-batch setting; returns it as a validated pair."""
-    if micro_batch_size is not None and accumulation_steps is not None:
-        raise ValueError(
-            "Pass at most one of `micro_batch_size` (samples per micro-batch) "
-            "and `accumulation_steps` (micro-batches per batch). Received: "
-            f"micro_batch_size={micro_batch_size!r}, "
-            f"accumulation_steps={accumulation_steps!r}"
-        )
-    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
-        return "auto", None  # resolved by the step runner at the first step
-    if isinstance(micro_batch_size, (list, tuple)):
-        if not micro_batch_size:
-            raise ValueError(
-                "`micro_batch_size` as a list gives one size per replica; it cannot be "
-                f"empty. Received: micro_batch_size={micro_batch_size!r}"
-            )
-        return tuple(positive_int("micro_batch_size", size) for size in micro_batch_size), None
-    if micro_batch_size is not None:
-        return positive_int("micro_batch_size", micro_batch_size), None
-    if accumulation_steps is None:
-        return None, None
-    return None, positive_int("accumulation_steps", accumulation_steps)
 
 
 def _check_remat_target(remat, functional, model):
@@ -182,7 +157,7 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         replica_shares: list[float] | str | None = None,
         **kwargs,
     ):
-        split = _validate_split(micro_batch_size, accumulation_steps)
+        split = micro_batch_split(micro_batch_size, accumulation_steps)
         remat = _remat.validate_remat(remat)
         shares = distribute.resolve_shares(replica_shares, tf.distribute.get_strategy())
         functional = K.is_functional_call(args, kwargs)
@@ -235,7 +210,7 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
             as `model` would, in micro-batches.
         """
         split = dict(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps)
-        _validate_split(**split)
+        micro_batch_split(**split)
         _remat.validate_remat(remat)
         if not isinstance(model, keras.Model):
             raise TypeError(
@@ -301,7 +276,7 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
             self._retrace()
 
     def _set_split(self, micro_batch_size=None, accumulation_steps=None):
-        split = _validate_split(micro_batch_size, accumulation_steps)
+        split = micro_batch_split(micro_batch_size, accumulation_steps)
         replicas = self._setting.replicas
         if isinstance(split[0], tuple) and len(split[0]) != replicas:
             raise ValueError(
