@@ -208,8 +208,8 @@ class AccumulatingModel(MicroBatchSteps, placement.Placed, K.keras.Model):
 
         Args:
             model: a built `keras.Model`.
-            micro_batch_size, accumulation_steps, remat, devices,
-                device_cuts: as for the constructor.
+            micro_batch_size, accumulation_steps, remat, devices, device_cuts: as
+                for the constructor.
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
