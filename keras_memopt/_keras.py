@@ -338,3 +338,28 @@ def strip_optionals(data):
         lambda t: None if isinstance(t, (tf.experimental.Optional, tf.OptionalSpec)) else t,
         data,
     )
+
+
+# -- segments on several devices (keras_memopt.placement) ----------------------
+
+
+def variable_device(variable):
+    """The device of a TensorFlow variable or of the one a Keras 3 variable wraps."""
+    if isinstance(variable, tf.Variable):
+        return variable.device
+    return variable.value.device
+
+
+def move_variable(variable, device):
+    """Re-creates a Keras 3 variable's TensorFlow variable on `device`, value kept.
+
+    The Keras variable stays the same object (layers, models and checkpoints
+    hold it); only the TensorFlow variable it wraps is new. tf_keras layers
+    hold their TensorFlow variables themselves, which cannot be swapped
+    safely (`keras_memopt.placement` refuses first).
+    """
+    if LEGACY:
+        raise NotImplementedError("tf_keras variables cannot be moved to another device")
+    old = variable.value
+    with tf.init_scope(), tf.device(device):
+        variable._initialize(old.read_value())

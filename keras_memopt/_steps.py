@@ -79,8 +79,10 @@ class MicroBatchSteps:
     # -- the steps ----------------------------------------------------------------
 
     def _forward(self, x, training):
-        if training and self._remat_plan is not None:
-            return self._remat_plan(x, training=training)
+        # Recomputed segments matter in training only; placed ones always.
+        plan = self._segment_plan
+        if plan is not None and (training or plan.placed):
+            return plan(x, training=training)
         return self(x, training=training)
 
     def _build_before_loop(self, x):

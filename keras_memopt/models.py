@@ -5,26 +5,19 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses, _runner, distribute, supervise
+from keras_memopt import _loop, _losses, _runner, distribute, placement, supervise
 from keras_memopt import remat as _remat
 from keras_memopt._steps import MicroBatchSteps
 from keras_memopt._validation import micro_batch_split
 
 keras = K.keras
 
-_SETTING_ARGS = ("micro_batch_size", "accumulation_steps", "remat", "replica_shares")
+_SETTING_ARGS = (
+    "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts"
+)
 
 
-def _check_remat_target(remat, functional, model):
-    if remat is not None and not functional:
-        raise ValueError(
-            "`remat` picks segments in a functional model's graph; a "
-            "subclassed model wraps its blocks in `keras_memopt.Remat` "
-            f"instead. Received: remat={remat!r} for {type(model).__name__}"
-        )
-
-
-class AccumulatingModel(MicroBatchSteps, K.keras.Model):
+class AccumulatingModel(MicroBatchSteps, placement.Placed, K.keras.Model):
     """A `keras.Model` whose train step accumulates gradients over micro-batches.
 
     The batch that the input pipeline delivers is the *effective* batch. The
@@ -102,6 +95,13 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
             every segment but the last. Subclassed models wrap blocks in
             `keras_memopt.Remat` instead. Defaults to `None` (no
             recomputation).
+        devices: list of device names (`["/GPU:0", "/GPU:1"]`): cuts a
+            functional model into one segment per device, each segment's
+            variables and computation on its device (model parallelism; the
+            segments run one after another). Defaults to `None` (one device).
+        device_cuts: `"auto"` (balanced by memory) or the names of the
+            `len(devices) - 1` layers whose outputs end the segments, as for
+            `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
@@ -135,7 +135,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
 
     Raises:
         ValueError: if both `micro_batch_size` and `accumulation_steps` are
-            given, or one is not a positive integer.
+            given, or one is not a positive integer; for `remat`, `devices` or
+            `device_cuts` that do not fit the model (before it changes).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -155,13 +156,16 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
         replica_shares: list[float] | str | None = None,
+        devices: list[str] | None = None,
+        device_cuts: str | list[str] | None = None,
         **kwargs,
     ):
         split = micro_batch_split(micro_batch_size, accumulation_steps)
         remat = _remat.validate_remat(remat)
         shares = distribute.resolve_shares(replica_shares, tf.distribute.get_strategy())
         functional = K.is_functional_call(args, kwargs)
-        _check_remat_target(remat, functional, self)
+        _remat.check_target(remat, functional, self)
+        placement.validate(devices, device_cuts, self, functional)
         if functional and not isinstance(self, K.Functional):
             # A subclass's constructor passing (inputs, outputs) on: become its
             # functional form here, before Keras would rewrite the bases of
@@ -180,7 +184,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         self._loss_split = _losses.LossSplit(self)
         self._accumulating = False
         self.oom_policy = None
-        self._remat, self._remat_plan = None, None
+        self._set_placement(devices, device_cuts)
+        self._remat, self._segment_plan = None, None
         self._set_remat(remat)
 
     @classmethod
@@ -192,6 +197,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
         name: str | None = None,
+        devices: list[str] | None = None,
+        device_cuts: str | list[str] | None = None,
     ) -> AccumulatingModel:
         """Wraps an existing model; the result shares its layers and weights.
 
@@ -201,8 +208,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
 
         Args:
             model: a built `keras.Model`.
-            micro_batch_size, accumulation_steps, remat: as for the
-                constructor.
+            micro_batch_size, accumulation_steps, remat, devices, device_cuts: as
+                for the constructor.
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
@@ -232,7 +239,8 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
                 )
             inputs = keras.Input(batch_shape=shape)
             outputs = model(inputs)
-        return cls(inputs, outputs, name=name or model.name, remat=remat, **split)
+        placed = dict(devices=devices, device_cuts=device_cuts)
+        return cls(inputs, outputs, name=name or model.name, remat=remat, **split, **placed)
 
     # -- the micro-batch setting ------------------------------------------------
 
@@ -318,11 +326,11 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
 
     def _set_remat(self, remat):
         remat = _remat.validate_remat(remat)
-        _check_remat_target(remat, isinstance(self, K.Functional), self)
-        plan = _remat.build_plan(self, remat)
+        _remat.check_target(remat, isinstance(self, K.Functional), self)
+        plan = placement.build_plan(self, remat, self._placement)
         # Plain holders: Keras must not track the segments as sublayers.
         self._remat = remat if remat is None or isinstance(remat, str) else tuple(remat)
-        self._remat_plan = plan
+        self._segment_plan = plan
         self._retrace()
 
     # -- compile ------------------------------------------------------------------
@@ -339,12 +347,15 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
                     "share of the batch add up to the batch's loss. Received: "
                     f"loss={item!r} with reduction={reduction!r}"
                 )
-        super().compile(*args, **K.compile_kwargs(jit_compile), **kwargs)
-        self._micro_batch_jit_compile = K.resolve_jit_compile(self, jit_compile)
+        jit = placement.jit_compile(self._placement, jit_compile)
+        super().compile(*args, **K.compile_kwargs(jit), **kwargs)
+        self._micro_batch_jit_compile = K.resolve_jit_compile(self, jit)
         self._jit_compile_requested = jit_compile  # OOMBackoff treats "auto" apart
         self._loss_split = _losses.LossSplit(self)
         if not K.LEGACY:
             self.jit_compile = False
+        if self._placement is not None:
+            placement.build_optimizer(self.optimizer, self.trainable_variables)
 
     def get_compile_config(self):
         # Keras 3's `clone_model` rebuilds a functional model from its inputs
@@ -425,6 +436,7 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
             accumulation_steps=self._accumulation_steps,
             remat=self.remat,
             replica_shares=list(shares) if shares is not None else None,
+            **placement.config(self._placement),
         )
 
     def get_config(self):
@@ -452,7 +464,9 @@ class AccumulatingModel(MicroBatchSteps, K.keras.Model):
         """Sets what `_setting_config` returned (from a config, or a clone's compile config)."""
         setting = dict(setting)
         remat, shares = setting.pop("remat", None), setting.pop("replica_shares", None)
+        devices, device_cuts = setting.pop("devices", None), setting.pop("device_cuts", None)
         self._set_split(**setting)
+        self._set_placement(devices, device_cuts)
         self._set_remat(remat)
         self._replica_shares = distribute.resolve_shares(shares, self.distribute_strategy)
 

@@ -29,8 +29,8 @@ import warnings
 
 import tensorflow as tf
 
+from keras_memopt import _graph
 from keras_memopt import _keras as K
-from keras_memopt.memory import bytes_per_sample
 
 keras = K.keras
 
@@ -64,21 +64,40 @@ def _after(tensors, upstream):
     ]
 
 
-def recompute(call, layer, args, kwargs=None):
+def _on(device):
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def recompute(call, layer, args, kwargs=None, device=None):
     """Calls `call(*args, **kwargs)`; its backward pass recomputes the call.
 
     Only the tensors in `args` and `kwargs` are kept for the backward pass;
     other values (`training=True`, masks given as Python values) are bound
     before the gradient is defined. `layer` is the layer (or model) that
     `call` runs: its random seeds are replayed and its state updates discarded
-    during the recomputation.
+    during the recomputation. With `device`, the call, its recomputation and
+    its backward pass run there.
     """
-    kwargs = kwargs or {}
+    return _custom_backward(call, layer, args, kwargs or {}, device, recomputed=True)
+
+
+def on_device(call, args, device):
+    """Calls `call(*args)` on `device`, and runs its backward pass there too.
+
+    A gradient tape places the backward pass's ops on no device (they would
+    run on the default one); here the forward pass is recorded on its own tape,
+    whose gradient is taken under `tf.device(device)`. Nothing is recomputed.
+    """
+    return _custom_backward(call, None, args, {}, device, recomputed=False)
+
+
+def _custom_backward(call, layer, args, kwargs, device, recomputed):
     structure = (args, kwargs)
     leaves = tf.nest.flatten(structure)
     positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
     if not positions:
-        return call(*args, **kwargs)
+        with _on(device):
+            return call(*args, **kwargs)
 
     def bind(tensors):
         bound = list(leaves)
@@ -90,46 +109,60 @@ def recompute(call, layer, args, kwargs=None):
 
     @tf.custom_gradient
     def checkpointed(*inputs):
-        state = K.random_state(layer)
-        with _stop_recording(), K.replaying(layer, state, recompute=False):
-            call_args, call_kwargs = bind(inputs)
-            outputs = call(*call_args, **call_kwargs)
+        if recomputed:
+            state = K.random_state(layer)
+            with _on(device), _stop_recording(), K.replaying(layer, state, recompute=False):
+                call_args, call_kwargs = bind(inputs)
+                outputs = call(*call_args, **call_kwargs)
+        else:
+            with _on(device), tf.GradientTape() as forward_tape:
+                forward_tape.watch([t for t in inputs if _differentiable(t)])
+                call_args, call_kwargs = bind(inputs)
+                outputs = call(*call_args, **call_kwargs)
         output_structure.append(outputs)
         flat_outputs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(outputs)]
 
         def gradient(*upstream, variables=None):
             variables = list(variables or ())
-            replayed = _after(inputs, upstream)
-            sources = [t for t in replayed if _differentiable(t)]
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(sources)
-                tape.watch(variables)
-                with K.replaying(layer, state, recompute=True):
-                    call_args, call_kwargs = bind(replayed)
-                    recomputed = tf.nest.flatten(call(*call_args, **call_kwargs))
-            targets, target_gradients = [], []
-            for output, grad in zip(recomputed, upstream, strict=True):
-                if grad is not None and _differentiable(output):
-                    targets.append(output)
-                    target_gradients.append(grad)
-            gradients = tape.gradient(
-                targets,
-                sources + variables,
-                output_gradients=target_gradients,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            source_gradients = iter(gradients[: len(sources)])
-            input_gradients = [
-                next(source_gradients) if _differentiable(t) else None for t in replayed
-            ]
-            if variables:
-                return input_gradients, gradients[len(sources) :]
-            return input_gradients
+            with _on(device):
+                if recomputed:
+                    replayed = _after(inputs, upstream)
+                    sources = [t for t in replayed if _differentiable(t)]
+                    with tf.GradientTape(watch_accessed_variables=False) as tape:
+                        tape.watch(sources)
+                        tape.watch(variables)
+                        with K.replaying(layer, state, recompute=True):
+                            call_args, call_kwargs = bind(replayed)
+                            results = tf.nest.flatten(call(*call_args, **call_kwargs))
+                else:
+                    replayed, tape, results = inputs, forward_tape, flat_outputs
+                    sources = [t for t in inputs if _differentiable(t)]
+                return _gradients(tape, results, upstream, replayed, sources, variables)
 
         return flat_outputs, gradient
 
     flat = checkpointed(*[leaves[i] for i in positions])
     return tf.nest.pack_sequence_as(output_structure[-1], tf.nest.flatten(flat))
+
+
+def _gradients(tape, outputs, upstream, inputs, sources, variables):
+    """What a custom gradient returns: the gradients of `inputs` (and `variables`)."""
+    targets, target_gradients = [], []
+    for output, grad in zip(outputs, upstream, strict=True):
+        if grad is not None and _differentiable(output):
+            targets.append(output)
+            target_gradients.append(grad)
+    gradients = tape.gradient(
+        targets,
+        sources + variables,
+        output_gradients=target_gradients,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    source_gradients = iter(gradients[: len(sources)])
+    input_gradients = [next(source_gradients) if _differentiable(t) else None for t in inputs]
+    if variables:
+        return input_gradients, gradients[len(sources) :]
+    return input_gradients
 
 
 # -- the wrapper layer --------------------------------------------------------------
@@ -257,81 +290,13 @@ def validate_remat(remat):
     )
 
 
-class _Graph:
-    """The dependency structure of a functional model's nodes."""
-
-    def __init__(self, model):
-        self.nodes = K.functional_nodes(model)
-        count = len(self.nodes)
-        producer = {}
-        for index, (_, _, outputs) in enumerate(self.nodes):
-            for tensor in outputs:
-                producer[id(tensor)] = index
-        self.ancestors = [0] * count
-        children = [[] for _ in range(count)]
-        self.children = [0] * count
-        for index, (_, inputs, _) in enumerate(self.nodes):
-            for tensor in inputs:
-                parent = producer.get(id(tensor))
-                if parent is not None:
-                    self.ancestors[index] |= self.ancestors[parent] | (1 << parent)
-                    children[parent].append(index)
-                    self.children[parent] |= 1 << index
-        self.descendants = [0] * count
-        for index in reversed(range(count)):
-            for child in children[index]:
-                self.descendants[index] |= self.descendants[child] | (1 << child)
-        self.everything = (1 << count) - 1
-        _, outputs = K.nested_inputs_outputs(model)
-        self.output_ids = {id(t) for t in tf.nest.flatten(outputs)}
-        # Unknown dimensions count as 1: the sizes only compare blocks.
-        self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]
-
-    def regularised(self, index):
-        layer = self.nodes[index][0]
-        return any(
-            getattr(sublayer, "activity_regularizer", None) is not None
-            for sublayer in layer._flatten_layers(include_self=True, recursive=True)
-        )
-
-    def is_input(self, index):
-        return not self.nodes[index][1]
-
-    def _name(self, index):
-        return repr(self.nodes[index][0].name)
-
-    def bypass(self, index):
-        """Why node `index`'s output does not separate the graph, or None.
-
-        It separates it when every other node feeds it or depends on it and no
-        tensor computed before it is used after it (a skip connection).
-        """
-        related = self.ancestors[index] | self.descendants[index] | (1 << index)
-        missing = self.everything & ~related
-        if missing:
-            other = (missing & -missing).bit_length() - 1
-            return f"layer {self._name(other)} neither feeds it nor depends on it"
-        before, upto = self.ancestors[index], self.ancestors[index] | (1 << index)
-        rest = before
-        while rest:
-            parent = (rest & -rest).bit_length() - 1
-            rest &= rest - 1
-            later = self.children[parent] & ~upto
-            if later:
-                child = (later & -later).bit_length() - 1
-                return (
-                    f"the output of layer {self._name(parent)} skips past it to "
-                    f"layer {self._name(child)}"
-                )
-        return None
-
-    def separates(self, index):
-        outputs = self.nodes[index][2]
-        return (
-            len(outputs) == 1
-            and not self.is_input(index)
-            and id(outputs[0]) not in self.output_ids
-            and self.bypass(index) is None
+def check_target(remat, functional, model):
+    """Refuses `remat` (segments of a graph) for a subclassed model."""
+    if remat is not None and not functional:
+        raise ValueError(
+            "`remat` picks segments in a functional model's graph; a "
+            "subclassed model wraps its blocks in `keras_memopt.Remat` "
+            f"instead. Received: remat={remat!r} for {type(model).__name__}"
         )
 
 
@@ -388,11 +353,11 @@ def plan_segments(model, remat):
     searched: a nested model is one node.
 
     Returns:
-        A list of node indices (the cut points) and the `_Graph`.
+        A list of node indices (the cut points) and the `keras_memopt._graph.Graph`.
     """
-    graph = _Graph(model)
+    graph = _graph.Graph(model)
     if remat == "auto":
-        separators = [i for i in range(len(graph.nodes)) if graph.separates(i)]
+        separators = graph.separators()
         regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
         if regularised:  # Everything up to the last cut is recomputed.
             separators = [i for i in separators if i < regularised[0]]
@@ -414,44 +379,7 @@ def plan_segments(model, remat):
             )
             return [], graph
         return cuts, graph
-    by_name = {}
-    for index, (layer, _, _) in enumerate(graph.nodes):
-        by_name.setdefault(layer.name, []).append(index)
-    cuts = []
-    for name in remat:
-        indices = by_name.get(name)
-        if not indices:
-            raise ValueError(
-                f"`remat` names layer {name!r}, which is not in model "
-                f"{model.name!r}. Known layers: {sorted(by_name)}. "
-                f"Received: remat={remat!r}"
-            )
-        if len(indices) > 1:
-            raise ValueError(
-                f"Layer {name!r} is called {len(indices)} times in model "
-                f"{model.name!r}, so its output is not one cut point. Name "
-                f"a layer that is called once. Received: remat={remat!r}"
-            )
-        index = indices[0]
-        if graph.is_input(index):
-            raise ValueError(
-                f"Layer {name!r} is an input of model {model.name!r}: there is "
-                "nothing before it to recompute. Name the layers whose outputs "
-                f"end the recomputed segments. Received: remat={remat!r}"
-            )
-        if not graph.separates(index):
-            reason = graph.bypass(index) or (
-                "its output is a model output or is not a single tensor"
-            )
-            raise ValueError(
-                f"Layer {name!r} does not separate the graph of model "
-                f"{model.name!r} (not every path from the inputs to the outputs "
-                f"passes through its output): {reason}. Name a layer whose "
-                f"single output everything after it depends on. "
-                f"Received: remat={remat!r}"
-            )
-        cuts.append(index)
-    cuts.sort()
+    cuts = _graph.named_cuts(graph, model, remat, "remat")
     _check_no_activity_regularizer(
         [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
     )
@@ -462,11 +390,13 @@ class SegmentPlan:
     """A functional model's forward pass run as a chain of segments.
 
     Each segment is a functional model over the original layers (weights
-    shared) from one cut tensor to the next; all but the last are recomputed
-    in the backward pass.
+    shared) from one cut tensor to the next. In training, the segments marked
+    in `recomputed` (by default all but the last) are recomputed in the
+    backward pass. A segment given a device in `devices` runs there, its
+    backward pass included (see `keras_memopt.placement`).
     """
 
-    def __init__(self, model, cuts, graph):
+    def __init__(self, model, cuts, graph, recomputed=None, devices=None):
         inputs, outputs = K.nested_inputs_outputs(model)
         ends = [graph.nodes[i][2][0] for i in cuts]
         boundaries = [inputs, *ends, outputs]
@@ -478,14 +408,27 @@ class SegmentPlan:
                 name=f"{model.name}_segment_{index}",
             )
             self.segments.append(segment)
+        count = len(self.segments)
+        self.recomputed = recomputed or [True] * (count - 1) + [False]
+        self.devices = devices or [None] * count
+        self.placed = any(self.devices)
 
     def __call__(self, inputs, training):
         x = inputs
-        for segment in self.segments[:-1]:
-            x = recompute(
-                lambda t, segment=segment: segment(t, training=training), segment, (x,)
-            )
-        return self.segments[-1](x, training=training)
+        for segment, recomputed, device in zip(
+            self.segments, self.recomputed, self.devices, strict=True
+        ):
+            def call(t, segment=segment):
+                return segment(t, training=training)
+
+            if training and recomputed:
+                x = recompute(call, segment, (x,), device=device)
+            elif training and device:
+                x = on_device(call, (x,), device)
+            else:
+                with _on(device):
+                    x = call(x)
+        return x
 
 
 def build_plan(model, remat):
