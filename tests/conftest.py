@@ -60,6 +60,16 @@ def peak_bytes_of_fit(model, x, y, batch_size):
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
 
 
+def pytest_collection_modifyitems(config, items):
+    """On the tf_keras pass, skips what runs no Keras code (`line_independent`)."""
+    if not LEGACY:
+        return
+    skip = pytest.mark.skip(reason="the same on both Keras lines: the Keras 3 pass runs it")
+    for item in items:
+        if item.get_closest_marker("line_independent"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def keras_module():
     from keras_memopt._keras import keras

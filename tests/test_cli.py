@@ -9,6 +9,8 @@ from keras_memopt import _subprocess, cli
 from keras_memopt.cli import main
 from keras_memopt.planning import MemoryEstimate, planner
 
+pytestmark = pytest.mark.line_independent
+
 # What pip writes for `[project.scripts] keras-memopt = "keras_memopt.cli:main"`.
 LAUNCHER = """\
 import sys

@@ -10,6 +10,8 @@ import pytest
 
 from keras_memopt import demo
 
+pytestmark = pytest.mark.line_independent
+
 
 class TestArguments:
     @pytest.mark.parametrize("value", ["0", "-3", "2.5", "many"])

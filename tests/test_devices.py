@@ -9,6 +9,8 @@ from conftest import run_python, without_gpu
 from keras_memopt import devices
 from keras_memopt.devices import configure_devices
 
+pytestmark = pytest.mark.line_independent
+
 
 class TestValidation:
     @pytest.mark.parametrize(

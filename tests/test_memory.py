@@ -7,6 +7,8 @@ from conftest import without_gpu
 from keras_memopt import memory
 from keras_memopt.memory import MemoryReader, allocator_memory, format_bytes, parse_bytes
 
+pytestmark = pytest.mark.line_independent
+
 
 class TestParseBytes:
     @pytest.mark.parametrize(

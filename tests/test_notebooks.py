@@ -13,6 +13,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
+pytestmark = pytest.mark.line_independent
+
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 ALLOCATOR_VARIABLES = (
     "TF_ENABLE_ONEDNN_OPTS",

@@ -9,6 +9,8 @@ import pytest
 
 from keras_memopt import _subprocess
 
+pytestmark = pytest.mark.line_independent
+
 
 def double(payload):
     """Called in a child by `test_call_returns_the_functions_result`."""
