@@ -29,8 +29,8 @@ SETUP = [
 def _prelude():
     rng = np.random.RandomState(0)
     return {
-        "x_train": rng.normal(size=(2048, 784)).astype("float32"),
-        "y_train": rng.randint(0, 10, size=2048),
+        "x_train": rng.normal(size=(1024, 784)).astype("float32"),
+        "y_train": rng.randint(0, 10, size=1024),
     }
 
 
