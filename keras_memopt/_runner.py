@@ -153,7 +153,6 @@ class StepRunner:
 
     def _retrying(self, data, spec, policy, search):
         """The step's outputs, after as many backoffs as `policy` allows."""
-        model = self.model
         while True:
             current = self._in_use(data)
             self._reporter.report(current)
@@ -170,20 +169,24 @@ class StepRunner:
             recovery = time.perf_counter()
             self._snapshot.restore(taken)
             del taken
-            if search is not None:
-                search.failed(current, failed_seconds)
-            model.micro_batch_size = policy.next_size(current, failed)
-            policy.record(
-                dict(
-                    kind=self.kind,
-                    allocation=_oom.allocation_note(failed),
-                    failed_micro_batch_size=current,
-                    micro_batch_size=model.micro_batch_size,
-                    failed_step_seconds=failed_seconds,
-                    recovery_seconds=time.perf_counter() - recovery,
-                )
-            )
+            self._back_off(current, failed, failed_seconds, recovery, policy, search)
             del failed
+
+    def _back_off(self, current, failed, failed_seconds, recovery, policy, search):
+        """After a rolled-back step: the next micro-batch size, and the backoff's record."""
+        if search is not None:
+            search.failed(current, failed_seconds)
+        self.model.micro_batch_size = policy.next_size(current, failed)
+        policy.record(
+            dict(
+                kind=self.kind,
+                allocation=_oom.allocation_note(failed),
+                failed_micro_batch_size=current,
+                micro_batch_size=self.model.micro_batch_size,
+                failed_step_seconds=failed_seconds,
+                recovery_seconds=time.perf_counter() - recovery,
+            )
+        )
 
     def _agreeing(self, data, spec, policy, search):
         """`_retrying` across workers: every worker retries when any runs out of memory."""
@@ -200,7 +203,7 @@ class StepRunner:
             self._agreement = distribute.Agreement(self.model, self.kind, *self._halves)
             if hasattr(self._agreement.local, "get_concrete_function"):
                 self._agreement.local.get_concrete_function(spec or data)
-        agreement, model = self._agreement, self.model
+        agreement = self._agreement
         while True:
             current = self._in_use(data)
             self._reporter.report(current)
@@ -232,17 +235,5 @@ class StepRunner:
                 failed = tf.errors.ResourceExhaustedError(
                     None, None, "OOM on another worker: every worker retries the step."
                 )
-            if search is not None:
-                search.failed(current, failed_seconds)
-            model.micro_batch_size = policy.next_size(current, failed)
-            policy.record(
-                dict(
-                    kind=self.kind,
-                    allocation=_oom.allocation_note(failed),
-                    failed_micro_batch_size=current,
-                    micro_batch_size=model.micro_batch_size,
-                    failed_step_seconds=failed_seconds,
-                    recovery_seconds=time.perf_counter() - recovery,
-                )
-            )
+            self._back_off(current, failed, failed_seconds, recovery, policy, search)
             del failed
