@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 
+# The checkout holding these benchmarks (its `keras_memopt` is the one measured
+# unless a script is told otherwise).
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # TensorFlow's BFC allocator on the CPU gives real, deterministic peaks
 # (`tf.config.experimental.get_memory_info("CPU:0")`); oneDNN allocates around
 # it, so it is off. The variables of
@@ -103,3 +107,121 @@ def transformer(length, blocks, width=128, heads=4, hidden=None, dropout=0.0,
         x = layers.LayerNormalization()(add(x, inner))
     x = layers.GlobalAveragePooling1D()(x)
     return inputs, layers.Dense(classes)(x)
+
+
+def embedding_classifier(vocabulary, width, length, hidden=256, classes=10):
+    """A bag of tokens (or items) through a large Embedding, pooled, and an MLP head.
+
+    The Embedding's gradient is sparse (`tf.IndexedSlices`): the rows of the
+    batch's tokens, not the table.
+    """
+    keras = _keras()
+    layers = keras.layers
+    inputs = keras.Input((length,), dtype="int32")
+    x = layers.Embedding(vocabulary, width)(inputs)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dense(hidden, activation="relu")(x)
+    return inputs, layers.Dense(classes)(x)
+
+
+def tagger(vocabulary, width, length, units, tags, mask_zero=True):
+    """A sequence tagger: Embedding, Bidirectional(LSTM), a per-token Dense head.
+
+    With `mask_zero`, token 0 is padding: the output carries a mask and Keras
+    averages the per-token loss over the unmasked tokens of the batch.
+    """
+    keras = _keras()
+    layers = keras.layers
+    inputs = keras.Input((length,), dtype="int32")
+    x = layers.Embedding(vocabulary, width, mask_zero=mask_zero)(inputs)
+    x = layers.Bidirectional(layers.LSTM(units, return_sequences=True))(x)
+    return inputs, layers.Dense(tags)(x)
+
+
+def subprocess_module():
+    """This repository's `keras_memopt._subprocess`, loaded from its file.
+
+    It needs nothing but the standard library; loading it alone (not through
+    the `keras_memopt` package) starts no TensorFlow and leaves `keras_memopt`
+    unimported, so a worker process can still import another checkout's
+    `keras_memopt` (the one its `PYTHONPATH` names) and send its result back
+    the same way.
+    """
+    import importlib.util
+    import sys
+
+    name = "_benchmarks_subprocess"
+    if name not in sys.modules:
+        path = os.path.join(REPOSITORY, "keras_memopt", "_subprocess.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# -- worker processes ----------------------------------------------------------------
+
+
+def start_worker(script, task, checkout=REPOSITORY, limit_mb=None):
+    """`python script --worker TASK` in a fresh process on `ALLOCATOR_ENV`.
+
+    The worker imports keras_memopt from `checkout` (its `PYTHONPATH`);
+    `limit_mb`, when given, is the allocator's memory limit.
+    """
+    import json
+
+    env = {**ALLOCATOR_ENV, "PYTHONPATH": checkout}
+    if limit_mb is not None:
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mb)
+    return subprocess_module().start(
+        [os.path.abspath(script), "--worker", json.dumps(task)],
+        env=env,
+        name=f"worker {task} (keras_memopt from {checkout}, "
+        f"limit {env['TF_CPU_BFC_MEM_LIMIT_IN_MB']} MiB)",
+    )
+
+
+def results(workers):
+    """Each worker's result, once all have finished (all are stopped if one fails)."""
+    module = subprocess_module()
+    outputs = module.wait_all(workers)
+    return [module.result_of(o, w.name) for w, o in zip(workers, outputs, strict=True)]
+
+
+def package_file():
+    """The file of the keras_memopt this process imported (for the record)."""
+    import keras_memopt
+
+    return keras_memopt.__file__
+
+
+def step_timer():
+    """A Keras callback whose `seconds` lists each training step's wall time.
+
+    A step is timed from `on_train_batch_begin` to `on_train_batch_end`; the
+    list restarts at each `fit`.
+    """
+    import time
+
+    keras = _keras()
+
+    class StepTimer(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seconds = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    return StepTimer()
+
+
+def median_range(values):
+    """(median, min, max) of `values`."""
+    import statistics
+
+    values = list(values)
+    return statistics.median(values), min(values), max(values)
