@@ -156,6 +156,39 @@ def scale_loss(optimizer, loss):
     return optimizer.scale_loss(loss)
 
 
+def build_optimizer(optimizer, variables):
+    """Creates `optimizer`'s variables for `variables` now, outside any traced step.
+
+    Both Keras lines can create them inside the first traced train step:
+    tf_keras always does, and then TensorFlow traces that step a second time
+    (a `tf.function` that created variables is traced again without them).
+    """
+    if optimizer is None or not variables:
+        return
+    with tf.init_scope():
+        if hasattr(optimizer, "build"):
+            if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+                optimizer.build(variables)
+        else:  # tf_keras.optimizers.legacy
+            optimizer._create_all_weights(variables)
+
+
+def build_step_state(model, x, y):
+    """Creates what tf_keras creates in the first traced step, from one small batch.
+
+    The optimizer's variables, and the compiled metrics (built from the
+    model's outputs on `x`, run eagerly in inference mode), so that the first
+    step is traced once. Keras 3 builds both itself before the first step.
+    """
+    if not LEGACY:
+        return
+    build_optimizer(model.optimizer, model.trainable_variables)
+    container = model.compiled_metrics
+    if container is not None and not container.built and y is not None:
+        y_pred = model(x, training=False)
+        container.build(y_pred, container._conform_to_outputs(y_pred, y))
+
+
 def apply_gradients(optimizer, gradients, variables):
     """One optimizer update; a loss-scale optimizer unscales and skips
     non-finite gradients (and lowers its scale) as in plain Keras."""

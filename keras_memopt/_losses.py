@@ -79,7 +79,8 @@ class LossSplit:
 
         Runs eagerly, in inference mode, on the first two samples of `data` and
         on the same samples twice each; model state (metrics included) is left
-        as it was.
+        as it was. On tf_keras it also creates the variables the first traced
+        step would create (`_keras.build_step_state`), so that step is traced once.
         """
         if self.terms is not None:
             return
@@ -90,6 +91,7 @@ class LossSplit:
             return
         pair = _first_samples(x, 2), _first_samples(y, 2)
         twice = _repeat(pair[0]), _repeat(pair[1])
+        K.build_step_state(model, *pair)
         metrics = list(model.metrics)
         saved = [[v.numpy() for v in m.variables] for m in metrics]
         try:
