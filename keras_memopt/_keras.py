@@ -8,6 +8,7 @@ package is written once.
 """
 
 import os
+import warnings
 
 import tensorflow as tf
 
@@ -173,12 +174,28 @@ def build_optimizer(optimizer, variables):
             optimizer._create_all_weights(variables)
 
 
+def symbolic_build(model, data_batch):
+    """Keras 3: builds the model, compiled metrics and losses and optimizer from a batch's shapes.
+
+    Keras builds them so before the first step (`_maybe_symbolic_build`) only
+    under a distribution strategy; without one it leaves them to the first
+    traced step, which TensorFlow then traces twice (a function that made
+    variables is traced again). Keras's own also reduces a distributed batch
+    across replicas, which fails across workers: `data_batch` is one
+    replica's part.
+    """
+    with model.distribute_strategy.scope(), warnings.catch_warnings():
+        # Keras says it in the traced step, as often as for a plain model.
+        warnings.filterwarnings("ignore", message="The structure of `inputs` doesn't match")
+        model._symbolic_build(data_batch=strip_optionals(data_batch))
+
+
 def build_step_state(model, x, y):
-    """Creates what tf_keras creates in the first traced step, from one small batch.
+    """tf_keras: makes, from one small batch, what it would make in the first traced step.
 
     The optimizer's variables, and the compiled metrics (built from the
     model's outputs on `x`, run eagerly in inference mode), so that the first
-    step is traced once. Keras 3 builds both itself before the first step.
+    step is traced once (Keras 3: `symbolic_build`).
     """
     if not LEGACY:
         return

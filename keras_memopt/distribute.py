@@ -184,12 +184,12 @@ def local_variables(variables, strategy) -> list:
 
 
 def first_local_batch(strategy, iterator):
-    """Keras 3 under several workers: the first batch's first local replica.
+    """Keras 3: the first batch of a Keras data iterator, its first local replica's part.
 
-    Keras 3 reduces the first batch across replicas before the first step only
-    to read its shapes (`_maybe_symbolic_build`), which fails across workers
-    (keras-team/keras#20585); the first local replica's tensors have the same
-    shapes.
+    What Keras 3 reads the shapes of before the first step
+    (`_maybe_symbolic_build`). Keras reduces a distributed batch across
+    replicas for that, which fails across workers (keras-team/keras#20585);
+    the first local replica's tensors have the same shapes.
     """
     for _, _, batches in iterator:
         return tf.nest.map_structure(

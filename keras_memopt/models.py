@@ -404,12 +404,10 @@ class AccumulatingModel(MicroBatchSteps, placement.Placed, K.keras.Model):
         return self._make_runner("predict", force)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3 (tf_keras never calls it): under several workers, Keras's own
-        # reduces the first batch across replicas, which fails.
-        strategy = self.distribute_strategy
-        if iterator is not None and distribute.multi_worker(strategy):
-            iterator, data_batch = None, distribute.first_local_batch(strategy, iterator)
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        # Keras 3 only (see `_keras.symbolic_build`).
+        if iterator is not None:
+            data_batch = distribute.first_local_batch(self.distribute_strategy, iterator)
+        K.symbolic_build(self, data_batch)
 
     def save(self, filepath, *args, **kwargs):
         # Under several workers Keras 3 makes every worker write the same file

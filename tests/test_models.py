@@ -533,6 +533,28 @@ class TestSaving:
         _assert_same_weights(reference, model)
         assert len(traces) == traced
 
+    def test_the_first_step_is_traced_once(self):
+        # TensorFlow traces a function that made variables a second time;
+        # the optimizer's and the metrics' are made before the first trace.
+        traces = []
+
+        class TraceCounter(layers.Layer):
+            def call(self, inputs, training=None):
+                if training:
+                    traces.append(1)  # Python runs once per trace, not per step
+                return inputs
+
+        x, y = _data(n=20)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        outputs = layers.Dense(3)(TraceCounter()(layers.Dense(8)(inputs)))
+        model = AccumulatingModel(inputs, outputs, micro_batch_size=7)
+        _fit(model, x, y, 20, epochs=1)
+        first = len(traces)
+        model.make_train_function(force=True)  # a new step function, every variable made
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        assert first == len(traces) - first > 0
+
 
 class _ForwardCounter(layers.Layer):
     """Identity that counts its forward passes in training."""
