@@ -2,20 +2,23 @@
 
 An out-of-memory error does not always reach Python as an exception that
 `OOMBackoff` can catch and recover from. Under some memory limits TensorFlow
-itself dies: a segmentation fault when a constant is folded into a step
-function while the allocator is full (in `tensorflow::ConstantFold`, copying
-into a buffer it could not get), after one or more out-of-memory errors that
-were caught. No rollback can help a process that is gone; a new process can.
+itself dies of a segmentation fault: its oneDNN CPU kernels (`MklFusedMatMulOp`,
+`MklConvOp`) go on computing when their output could not be allocated, which
+TensorFlow's own kernels do not. No rollback can help a process that is gone;
+a new process can.
 
 `keras-memopt run [options] -- python train.py ...` runs the training command,
 and when the process dies of a signal (SIGSEGV, SIGABRT, SIGBUS) it runs the
 same command again, with every `AccumulatingModel`'s micro-batch at most
-`factor` times the size in use when it died. The script resumes from its
-last backup when it trains with `keras.callbacks.BackupAndRestore`; the
-result is that of a run that switched to the smaller micro-batch at that
-backup. A process that exits with an error (an exception, out-of-memory at
-`min_micro_batch_size` included) is not restarted: its exit status is
-returned.
+`factor` times the size in use when it died, and with oneDNN off
+(`TF_ENABLE_ONEDNN_OPTS=0`) unless the environment sets that variable. A
+crash at `min_micro_batch_size` is restarted once more when that switch is
+new. The script resumes from its last backup when it trains with
+`keras.callbacks.BackupAndRestore`; the result is that of a run that switched
+to the smaller micro-batch at that backup (to float32 rounding: oneDNN's and
+TensorFlow's kernels sum in different orders). A process that exits with an
+error (an exception, out-of-memory at `min_micro_batch_size` included) is not
+restarted: its exit status is returned.
 
 The supervisor and the training process talk through two environment
 variables: the process writes the micro-batch size it is using to the file
@@ -52,6 +55,7 @@ from keras_memopt._validation import backoff_factor, positive_int
 
 STATE_VARIABLE = "KERAS_MEMOPT_RUN_STATE"
 CAP_VARIABLE = "KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE"
+ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 
 # Exit statuses of a process that died of one of these signals (a shell
 # reports 128 + the signal number; `subprocess` a negative number).
@@ -128,7 +132,8 @@ def supervise(
             micro-batch size in use when the process died (rounded down, and
             always at least one sample smaller). Defaults to `0.5`.
         min_micro_batch_size: int, the smallest cap; a crash at this size is
-            final. Defaults to `1`.
+            final, unless the restart is the first without oneDNN kernels.
+            Defaults to `1`.
         max_restarts: int, how many restarts at the most. Defaults to `5`.
         verbose: int, 1 to print a line per restart. Defaults to `1`.
 
@@ -160,12 +165,11 @@ def supervise(
             if size is not None and CAP_VARIABLE in env:
                 # A process that died before its first step reported nothing new.
                 size = min(size, int(env[CAP_VARIABLE]))
-            if restarts >= max_restarts or size is None or size <= min_micro_batch_size:
-                why = (
-                    f"after {restarts} restarts" if restarts >= max_restarts
-                    else "before any training step" if size is None
-                    else f"at the smallest micro-batch allowed ({size})"
-                )
+            # The known crashes are in oneDNN kernels: a restart runs without them.
+            onednn_newly_off = ONEDNN_VARIABLE not in env
+            why = _why_not_restart(restarts, max_restarts, size, min_micro_batch_size,
+                                   onednn_newly_off)
+            if why:
                 print(
                     f"keras-memopt run: the training process died of {_signal_name(returncode)} "
                     f"{why}; not restarting.",
@@ -174,15 +178,28 @@ def supervise(
                 return returncode
             cap = max(min_micro_batch_size, min(size - 1, int(size * factor)))
             env[CAP_VARIABLE] = str(cap)
+            env.setdefault(ONEDNN_VARIABLE, "0")
             restarts += 1
             if verbose:
+                onednn = " and oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0)" * onednn_newly_off
                 print(
                     f"keras-memopt run: the training process died of {_signal_name(returncode)} "
                     f"at micro_batch_size={size}; restarting it (restart {restarts} of at most "
-                    f"{max_restarts}) with micro_batch_size at most {cap}.",
+                    f"{max_restarts}) with micro_batch_size at most {cap}{onednn}.",
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def _why_not_restart(restarts, max_restarts, size, min_micro_batch_size, onednn_newly_off):
+    """Why a crashed process is not restarted, or `None` when it is."""
+    if restarts >= max_restarts:
+        return f"after {restarts} restarts"
+    if size is None:
+        return "before any training step"
+    if size <= min_micro_batch_size and not onednn_newly_off:
+        return f"at the smallest micro-batch allowed ({size})"
+    return None
 
 
 def _run(command, env):

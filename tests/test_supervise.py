@@ -18,9 +18,8 @@ from keras_memopt import _subprocess, supervise
 # generators, so a resumed Dropout draws other masks). While its micro-batch
 # is larger than `crash_above`, the process dies of SIGSEGV at the first step
 # of epoch 2 (a stand-in for TensorFlow's own crash under memory pressure,
-# which cannot be produced on demand here: the sweep in test_oom_backoff.py
-# runs the real thing); `switch_at`, for the reference run, sets the
-# micro-batch instead.
+# which a model's training does not produce on demand; the real crash is
+# below); `switch_at`, for the reference run, sets the micro-batch instead.
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
@@ -113,6 +112,82 @@ def test_a_crash_before_any_step_is_not_restarted(tmp_path, capsys):
     returncode = supervise.supervise([sys.executable, "-c", code])
     assert returncode == -signal.SIGABRT
     assert "died of SIGABRT before any training step; not restarting" in capsys.readouterr().err
+
+
+# Reports micro-batch 4, notes the oneDNN setting it was started with, and
+# dies of SIGSEGV.
+_CRASH_AT_4 = (
+    "import json, os, signal, sys\n"
+    "json.dump({'micro_batch_size': 4}, open(os.environ['KERAS_MEMOPT_RUN_STATE'], 'w'))\n"
+    "open(sys.argv[1], 'a').write(os.environ.get('TF_ENABLE_ONEDNN_OPTS', '-') + '\\n')\n"
+    "os.kill(os.getpid(), signal.SIGSEGV)\n"
+)
+
+
+def test_a_crash_at_the_minimum_is_retried_once_without_onednn(tmp_path, monkeypatch, capsys):
+    log = tmp_path / "onednn.txt"
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    command = [sys.executable, "-c", _CRASH_AT_4, str(log)]
+    returncode = supervise.supervise(command, min_micro_batch_size=4)
+    assert returncode == -signal.SIGSEGV
+    assert log.read_text().split() == ["-", "0"]
+    err = capsys.readouterr().err
+    assert "at micro_batch_size=4; restarting it (restart 1 of at most 5) with " \
+        "micro_batch_size at most 4 and oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0)" in err
+    assert "at the smallest micro-batch allowed (4); not restarting" in err
+
+
+def test_a_chosen_onednn_setting_is_kept(tmp_path, monkeypatch, capsys):
+    log = tmp_path / "onednn.txt"
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
+    command = [sys.executable, "-c", _CRASH_AT_4, str(log)]
+    assert supervise.supervise(command, min_micro_batch_size=2) == -signal.SIGSEGV
+    assert log.read_text().split() == ["1", "1"]  # at 4, then capped at 2, where it stops
+    err = capsys.readouterr().err
+    assert "oneDNN" not in err
+    assert "at the smallest micro-batch allowed (2); not restarting" in err
+
+
+# A real crash: with oneDNN on, a fused MatMul+BiasAdd+Relu whose output does
+# not fit under a 2 MiB allocator limit dies of SIGSEGV (the kernel goes on
+# without its output); TensorFlow's own kernels report ResourceExhaustedError.
+_ONEDNN_CRASH = textwrap.dedent(
+    """
+    import tensorflow as tf
+    from keras_memopt import supervise
+
+    w = tf.Variable(tf.random.normal([64, 256]))
+    b = tf.Variable(tf.zeros([256]))
+
+    @tf.function
+    def dense_relu(x):
+        return tf.nn.relu(tf.matmul(x, w) + b)
+
+    dense_relu(tf.ones([8, 64]))
+    supervise.Reporter().report(2048)  # as a model does at its first step
+    try:
+        dense_relu(tf.ones([2048, 64]))  # a [2048, 256] output: 2 MiB
+    except tf.errors.ResourceExhaustedError:
+        print("out of memory, reported")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.line_independent
+def test_a_real_onednn_crash_is_restarted_without_onednn(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(_ONEDNN_CRASH)
+    env = {**os.environ, **_subprocess.tensorflow_env(cpu_memory_limit_mb=2)}
+    del env["TF_ENABLE_ONEDNN_OPTS"]  # TensorFlow's default: on
+    command = [sys.executable, "-m", "keras_memopt.cli", "run", "--", sys.executable, str(script)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    restarts = [line for line in result.stderr.splitlines() if "restarting it" in line]
+    assert len(restarts) == 1, result.stderr[-3000:]
+    assert "died of SIGSEGV at micro_batch_size=2048" in restarts[0]
+    assert "oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0)" in restarts[0]
+    assert result.stdout.strip().splitlines()[-1] == "out of memory, reported"
 
 
 def test_the_cap_reaches_the_model(monkeypatch):
