@@ -41,13 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run COMMAND (a training script). If the process dies of a signal "
         "(a segmentation fault inside TensorFlow under memory pressure, say), run it again "
         "with every AccumulatingModel's micro-batch at most FACTOR times the size it was "
-        "using; the script resumes from its keras.callbacks.BackupAndRestore backup.",
+        "using, and with TensorFlow's oneDNN CPU kernels off (TF_ENABLE_ONEDNN_OPTS=0, "
+        "unless set), whose kernels crash when their output cannot be allocated; the "
+        "script resumes from its keras.callbacks.BackupAndRestore backup.",
         usage="keras-memopt run [options] -- COMMAND [ARGS...]",
     )
     run.add_argument("--factor", type=float, default=0.5,
                      help="the new cap is this times the micro-batch in use (default: 0.5)")
     run.add_argument("--min-micro-batch-size", type=positive_int_argument, default=1,
-                     help="a crash at this micro-batch size is not restarted (default: 1)")
+                     help="a crash at this micro-batch size is not restarted, unless oneDNN was on "
+                     "(default: 1)")
     run.add_argument("--max-restarts", type=int, default=5,
                      help="restarts at the most (default: 5)")
     run.add_argument("training_command", nargs=argparse.REMAINDER, metavar="COMMAND",
