@@ -37,8 +37,8 @@ Measured on Keras 3.15.1 / TensorFlow 2.21 CPU: 114 tests per stand-in; `Plain`
 passes all 114, and so does AccumulatingModel.
 Each stand-in costs about 80 s of CPU time. The `Plain` control runs only
 with `KERAS_MEMOPT_SUITE_CONTROL=1` (it tests Keras, not this package): run it
-when an Accumulating test fails, to tell the two apart. Marked `slow`; the
-Accumulating half runs in CI. Skipped under tf_keras (`TF_USE_LEGACY_KERAS=1`):
+when an Accumulating test fails, to tell the two apart. The Accumulating half
+runs in CI. Skipped under tf_keras (`TF_USE_LEGACY_KERAS=1`):
 these are Keras 3's tests.
 
 Run both halves alone:
@@ -65,8 +65,6 @@ import keras  # noqa: E402
 from keras.src.models import functional_test, model_test  # noqa: E402
 
 from keras_memopt import AccumulatingModel  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 MICRO_BATCH_SIZE = 1
 MODULES = (model_test, functional_test)
