@@ -4,8 +4,10 @@ An out-of-memory error does not always reach Python as an exception that
 `OOMBackoff` can catch and recover from. Under some memory limits TensorFlow
 itself dies of a segmentation fault: its oneDNN CPU kernels (`MklFusedMatMulOp`,
 `MklConvOp`) go on computing when their output could not be allocated, which
-TensorFlow's own kernels do not. No rollback can help a process that is gone;
-a new process can.
+TensorFlow's own kernels do not; with oneDNN off, constant folding
+(`tensorflow::ConstantFold`) has crashed when a step function was
+instantiated while the allocator was full. No rollback can help a process
+that is gone; a new process can.
 
 `keras-memopt run [options] -- python train.py ...` runs the training command,
 and when the process dies of a signal (SIGSEGV, SIGABRT, SIGBUS) it runs the
@@ -165,7 +167,7 @@ def supervise(
             if size is not None and CAP_VARIABLE in env:
                 # A process that died before its first step reported nothing new.
                 size = min(size, int(env[CAP_VARIABLE]))
-            # The known crashes are in oneDNN kernels: a restart runs without them.
+            # Most crashes are in oneDNN kernels: a restart runs without them.
             onednn_newly_off = ONEDNN_VARIABLE not in env
             why = _why_not_restart(restarts, max_restarts, size, min_micro_batch_size,
                                    onednn_newly_off)
