@@ -1,7 +1,8 @@
 """Out-of-memory errors: recognise them, report them, and one policy for backing off.
 
 - `is_oom` recognises an out-of-memory error however TensorFlow reports it;
-  `parse_oom` and `oom_report` say what failed to allocate and what to try.
+  `parse_oom` and `oom_report` say what failed to allocate and what to try;
+  `state_must_fit` says it when the model's state does not fit before the first step.
 - `Snapshot` takes and puts back every variable a step may change, so a
   failed step leaves no trace.
 - `BackoffPolicy` is the one rule for the next micro-batch size after an
@@ -13,6 +14,7 @@ The runner that uses them to retry a batch is `keras_memopt._runner`.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -149,6 +151,51 @@ def allocation_note(error) -> str:
 
 def oom_report(error: BaseException, micro_batch_size, minimum) -> str:
     """The readable report raised when backing off can go no further."""
+    return _report(
+        error,
+        "Out of memory at the smallest micro-batch allowed "
+        f"(micro_batch_size={micro_batch_size}, min_micro_batch_size={minimum}); "
+        "the model, optimizer and metrics are as they were before the failed step.",
+        [
+            "recompute activations in the backward pass instead of storing them "
+            "(rematerialisation, keras_memopt's `remat` option);",
+            "mixed precision: `keras.mixed_precision.set_global_policy(\"mixed_float16\")` "
+            "halves activation memory;",
+            "a smaller model (fewer or narrower layers) or smaller inputs;",
+            "on a GPU, if memory is fragmented (much is free but no large block), start "
+            "Python with `TF_GPU_ALLOCATOR=cuda_malloc_async`.",
+        ],
+    )
+
+
+@contextlib.contextmanager
+def state_must_fit():
+    """Raises a readable report for an out-of-memory error before the first step.
+
+    What runs there makes the optimizer's variables and the metrics'; when
+    they do not fit, no micro-batch size can help, and `OOMBackoff` is not
+    asked to.
+    """
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if not is_oom(error):
+            raise
+        headline = (
+            "Out of memory before the first step, while making the variables of the "
+            "optimizer and the metrics: the model's state does not fit on the device, "
+            "whatever the micro-batch size."
+        )
+        advice = [
+            "an optimizer that keeps less state per weight (Adam and AdamW keep two "
+            "slots, RMSprop and SGD with momentum one, plain SGD none);",
+            "a smaller model (fewer or narrower layers), or more device memory.",
+        ]
+        raise tf.errors.ResourceExhaustedError(None, None, _report(error, headline, advice)) \
+            from error
+
+
+def _report(error, headline, advice):
     info = parse_oom(str(error))
     memory = allocator_memory(info["device"])
     if memory is None:
@@ -159,22 +206,11 @@ def oom_report(error: BaseException, micro_batch_size, minimum) -> str:
             f"on {memory['device']}"
         )
     return (
-        "Out of memory at the smallest micro-batch allowed "
-        f"(micro_batch_size={micro_batch_size}, min_micro_batch_size={minimum}); "
-        "the model, optimizer and metrics are as they were before the failed "
-        "step.\n"
+        f"{headline}\n"
         f"  Failed to allocate: {describe_allocation(info)}.\n"
         f"  Device memory: {memory_line}.\n"
-        "  What to try:\n"
-        "  - recompute activations in the backward pass instead of storing "
-        "them (rematerialisation, keras_memopt's `remat` option);\n"
-        "  - mixed precision: "
-        '`keras.mixed_precision.set_global_policy("mixed_float16")` halves '
-        "activation memory;\n"
-        "  - a smaller model (fewer or narrower layers) or smaller inputs;\n"
-        "  - on a GPU, if memory is fragmented (much is free but no large "
-        "block), start Python with `TF_GPU_ALLOCATOR=cuda_malloc_async`.\n"
-        f"Original error: {type(error).__name__}: {_first_line(error)}"
+        "  What to try:\n" + "".join(f"  - {line}\n" for line in advice)
+        + f"Original error: {type(error).__name__}: {_first_line(error)}"
     )
 
 

@@ -127,7 +127,8 @@ class StepRunner:
             spec = None  # the parts' shapes are not the iterator's
         if self._first_batch is not None:
             first, self._first_batch = self._first_batch, None
-            first(data)
+            with _oom.state_must_fit():
+                first(data)
         policy = model.oom_policy
         search = None
         if model.micro_batch_size == "auto":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses, _runner, distribute, placement, supervise
+from keras_memopt import _loop, _losses, _oom, _runner, distribute, placement, supervise
 from keras_memopt import remat as _remat
 from keras_memopt._steps import MicroBatchSteps
 from keras_memopt._validation import micro_batch_split
@@ -407,7 +407,8 @@ class AccumulatingModel(MicroBatchSteps, placement.Placed, K.keras.Model):
         # Keras 3 only (see `_keras.symbolic_build`).
         if iterator is not None:
             data_batch = distribute.first_local_batch(self.distribute_strategy, iterator)
-        K.symbolic_build(self, data_batch)
+        with _oom.state_must_fit():
+            K.symbolic_build(self, data_batch)
 
     def save(self, filepath, *args, **kwargs):
         # Under several workers Keras 3 makes every worker write the same file

@@ -725,3 +725,45 @@ def test_real_oom_in_evaluate_at_the_minimum_and_with_auto():
     assert figures["auto"]["out_of_memory_trials"] == [4096]
     assert figures["auto_seen"] == [2.0] and figures["auto_iterations"] == 2
     assert 'micro_batch_size="auto": chose micro_batch_size=1024' in stdout
+
+
+
+# Three Dense(1024) layers: 8.3 MiB of weights, which fit under 20 MiB; Adam's
+# two slots per weight do not.
+STATE_DOES_NOT_FIT = """
+import json
+import numpy as np, tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
+
+inputs = keras.Input((64,))
+hidden = inputs
+for _ in range(3):
+    hidden = keras.layers.Dense(1024)(hidden)
+model = AccumulatingModel(inputs, keras.layers.Dense(1)(hidden), micro_batch_size=8)
+model.compile(keras.optimizers.get("{optimizer}"), "mse")
+x, y = np.ones((16, 64), "float32"), np.ones((16, 1), "float32")
+backoff = OOMBackoff(verbose=0)
+try:
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[backoff])
+    out = dict(iterations=int(model.optimizer.iterations.numpy()))
+except tf.errors.ResourceExhaustedError as error:
+    out = dict(message=error.message)
+out["backoffs"] = len(backoff.backoffs)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_state_that_does_not_fit_is_reported_before_the_first_step():
+    env = {"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
+    adam = run_python(STATE_DOES_NOT_FIT.format(optimizer="adam"), memory_limit_mb=20, env=env)
+    figures = json.loads(adam.stdout.strip().splitlines()[-1])
+    assert figures["backoffs"] == 0  # no micro-batch size can help
+    message = figures["message"]
+    assert message.startswith("Out of memory before the first step, while making the "
+                              "variables of the optimizer and the metrics"), message
+    assert "Failed to allocate: a tensor of shape [1024, 1024] and type float" in message
+    assert re.search(r"Device memory: [\d.]+ MiB in use, peak [\d.]+ MiB on CPU:0", message)
+    assert "an optimizer that keeps less state per weight" in message
