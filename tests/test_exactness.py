@@ -100,7 +100,7 @@ def tagger(cls, recurrent=layers.LSTM, **kwargs):
 
 
 def rnn_tagger(cls, **kwargs):
-    """The tagger with SimpleRNNs: the same masks, a third of the tracing on tf_keras
+    """The tagger with SimpleRNNs: the same masks, with less to trace on tf_keras
     (whose LSTM builds a CPU and a cuDNN implementation in every traced step)."""
     return tagger(cls, recurrent=layers.SimpleRNN, **kwargs)
 

@@ -258,4 +258,3 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
                    for run in ends), ends
     print(json.dumps([{k: run[k] for k in ("kind", "limit", "outcome", "schedule", "restarts")}
                       for run in runs]))
-
