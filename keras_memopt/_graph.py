@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras as K
+from keras_memopt import _keras
 from keras_memopt.memory import bytes_per_sample
 
 
@@ -18,7 +18,7 @@ class Graph:
     """The dependency structure of a functional model's nodes."""
 
     def __init__(self, model):
-        self.nodes = K.functional_nodes(model)
+        self.nodes = _keras.functional_nodes(model)
         count = len(self.nodes)
         producer = {}
         for index, (_, _, outputs) in enumerate(self.nodes):
@@ -39,7 +39,7 @@ class Graph:
             for child in children[index]:
                 self.descendants[index] |= self.descendants[child] | (1 << child)
         self.everything = (1 << count) - 1
-        _, outputs = K.nested_inputs_outputs(model)
+        _, outputs = _keras.nested_inputs_outputs(model)
         self.output_ids = {id(t) for t in tf.nest.flatten(outputs)}
         # Unknown dimensions count as 1: the sizes only compare blocks.
         self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]

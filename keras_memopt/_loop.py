@@ -17,8 +17,8 @@ How the loop is built, and why:
   model-sized constant that lives as long as the step function.
 - The loop runs with `parallel_iterations=1`, so TensorFlow cannot run two
   micro-batches side by side and keep both one's activations alive.
-- The micro-batch size is a tensor read at run time (see `MicroBatchSetting`):
-  changing it retraces nothing.
+- The micro-batch size is a tensor read at run time (see
+  `keras_memopt._setting`): changing it retraces nothing.
 """
 
 from __future__ import annotations
@@ -28,62 +28,6 @@ import warnings
 import tensorflow as tf
 
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
-
-
-class MicroBatchSetting:
-    """The micro-batch setting as run-time state: variables the step reads.
-
-    The variables hold samples per micro-batch for each replica (0: not set)
-    and the number of micro-batches per batch used when no size is set; they
-    are created once, where the model is made (under its distribution
-    strategy), and are never saved with the model. `cap`, when given (by a
-    supervisor, see `keras_memopt.supervise`), bounds every micro-batch.
-    """
-
-    def __init__(self, replicas: int, cap: int | None = None):
-        self.replicas = replicas
-        self.cap = cap
-        self.size = self.steps = None  # the Python values last assigned
-        with tf.init_scope():
-            self._sizes = tf.Variable(
-                tf.zeros([replicas], tf.int32), trainable=False, name="micro_batch_sizes"
-            )
-            self._steps = tf.Variable(1, trainable=False, name="accumulation_steps")
-
-    def assign(self, size, steps: int | None):
-        """Sets samples per micro-batch (one for all replicas or one per replica),
-        or micro-batches per batch, or neither."""
-        self.size, self.steps = size, steps
-        sizes = list(size) if isinstance(size, tuple) else [size or 0] * self.replicas
-        with tf.init_scope():
-            self._sizes.assign(sizes)
-            self._steps.assign(steps or 1)
-
-    def in_use(self, batch_size: int | None):
-        """The micro-batch size a step on `batch_size` samples runs with (None: unknown).
-
-        A tuple, one per replica, when the sizes were given per replica.
-        """
-        if isinstance(self.size, tuple):
-            return tuple(size if self.cap is None else min(size, self.cap) for size in self.size)
-        if self.size is not None:
-            size = min(self.size, batch_size or self.size)
-        elif batch_size is None:
-            return None
-        else:
-            size = max(1, -(-batch_size // (self.steps or 1)))
-        return size if self.cap is None else min(size, self.cap)
-
-    def micro_batch_size(self, batch_size):
-        """The micro-batch size, in the graph, for a batch of `batch_size` samples."""
-        replica = tf.distribute.get_replica_context()
-        index = 0 if replica is None else replica.replica_id_in_sync_group
-        index = tf.minimum(tf.cast(index, tf.int32), self.replicas - 1)
-        size = tf.cast(self._sizes[index], batch_size.dtype)
-        steps = tf.cast(self._steps, batch_size.dtype)
-        by_steps = tf.maximum((batch_size + steps - 1) // steps, 1)
-        size = tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)
-        return size if self.cap is None else tf.minimum(size, self.cap)
 
 
 def update_counters(model):
@@ -164,7 +108,7 @@ def micro_function(fn, data, *args, jit_compile=False):
     return (function if jit_compile else fn), outputs
 
 
-class _Sum:
+class _RunningSum:
     """The running sum of one output of `fn`, as loop variables.
 
     Dense sums start from the first micro-batch's value (no zeros to fill);
@@ -191,11 +135,13 @@ class _Sum:
             self.invariants = [tf.TensorShape(None)]
 
     def add(self, state, index, value):
-        if self.sparse:
-            return [state[0].write(index, value.values), state[1].write(index, value.indices)]
-        value = tf.cast(value, self.dtype)
-        total = state[0]
-        return [tf.cond(index > 0, lambda: total + value, lambda: value)]
+        # Named, so that an out-of-memory error here says it is the sum's.
+        with tf.name_scope("gradient_sum"):
+            if self.sparse:
+                return [state[0].write(index, value.values), state[1].write(index, value.indices)]
+            value = tf.cast(value, self.dtype)
+            total = state[0]
+            return [tf.cond(index > 0, lambda: total + value, lambda: value)]
 
     def result(self, state):
         if self.sparse:
@@ -228,7 +174,7 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
     count = (batch_size + size - 1) // size
     flat_specs = tf.nest.flatten(specs)
     present = [i for i, spec in enumerate(flat_specs) if spec is not None]
-    sums = {i: _Sum(flat_specs[i], count) for i in present}
+    sums = {i: _RunningSum(flat_specs[i], count) for i in present}
 
     def body(index, states):
         outputs = tf.nest.flatten(function(micro_slice(data, index * size, size), *args))

@@ -22,7 +22,7 @@ evaluating the model on two samples and on the same two samples repeated.
 Keras 3 updates each per-output loss tracker with the batch's *static* first
 dimension, unknown inside the loop (so each micro-batch counts as one); the
 trackers are set after the loop to what one update with the whole batch gives
-(`TrackerFix`). tf_keras weights them by the dynamic micro-batch size, so
+(`OutputLossTrackers`). tf_keras weights them by the dynamic micro-batch size, so
 there its micro-batch losses are expressed per sample of the micro-batch and
 the step weights their total by `n_i / N` instead.
 """
@@ -34,8 +34,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras as K
-from keras_memopt import _loop
+from keras_memopt import _keras, _loop
 
 MEAN, SUM = "mean", "sum"
 
@@ -58,7 +57,7 @@ def valid_counts(y_pred) -> tf.Tensor:
 
 
 def _overrides(model, name):
-    return getattr(type(model), name) is not getattr(K.keras.Model, name)
+    return getattr(type(model), name) is not getattr(_keras.keras.Model, name)
 
 
 class LossSplit:
@@ -85,13 +84,13 @@ class LossSplit:
         if self.terms is not None:
             return
         model = self.model
-        x, y, _ = K.unpack_x_y_sample_weight(_local(data, model.distribute_strategy))
+        x, y, _ = _keras.unpack_x_y_sample_weight(data)
         if not [t for t in tf.nest.flatten(x) if t is not None]:
             self.terms = ()
             return
         pair = _first_samples(x, 2), _first_samples(y, 2)
         twice = _repeat(pair[0]), _repeat(pair[1])
-        K.build_step_state(model, *pair)
+        _keras.build_step_state(model, *pair)
         metrics = list(model.metrics)
         saved = [[v.numpy() for v in m.variables] for m in metrics]
         try:
@@ -142,10 +141,22 @@ class LossSplit:
         terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
         compiled = tf.constant(float("nan"))
         if y is not None and not _overrides(model, "compute_loss") and _has_compiled_loss(model):
-            compiled = tf.cast(K.compiled_loss(model, y, y_pred, None, []), tf.float32)
+            compiled = tf.cast(_keras.compiled_loss(model, y, y_pred, None, []), tf.float32)
         return tf.stack([compiled, *terms])
 
     # -- in the step ------------------------------------------------------------------
+
+    def batch_counts(self, forward, data, size, jit_compile=False):
+        """Unmasked elements per output over the whole batch: a forward pass, inference mode.
+
+        Run micro-batch by micro-batch before the loop, when an output
+        carries a mask (see the module docstring).
+        """
+
+        def count(micro):
+            return valid_counts(forward(micro[0], training=False))
+
+        return _loop.accumulate(count, data, size, jit_compile=jit_compile)
 
     def micro_batch_loss(self, x, y, y_pred, sample_weight, batch_size, valid, training):
         """The micro-batch's contribution to the batch's loss (what its gradient is taken of).
@@ -158,10 +169,10 @@ class LossSplit:
         share = n / tf.cast(batch_size, tf.float32)
         if _overrides(model, "compute_loss") or not _has_compiled_loss(model):
             # A user's own loss: exact when it averages over samples.
-            loss = K.compute_loss(model, x, y, y_pred, sample_weight, training)
+            loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
         masks = output_masks(y_pred)
-        if K.LEGACY:
+        if _keras.LEGACY:
             # Per sample of the micro-batch (see the module docstring).
             shares = [
                 _masked_share(mask, valid, i) / share if mask is not None else None
@@ -169,16 +180,16 @@ class LossSplit:
             ]
             weights = _output_weights(y_pred, sample_weight, shares, masks)
             terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
-            loss = K.compiled_loss(model, y, y_pred, weights, terms)
+            loss = _keras.compiled_loss(model, y, y_pred, weights, terms)
             return loss * tf.cast(share, loss.dtype)
         shares = [
             _masked_share(mask, valid, i) if mask is not None else share
             for i, mask in enumerate(masks)
         ]
         weights = _output_weights(y_pred, sample_weight, shares, masks)
-        loss = K.compiled_loss(model, y, y_pred, weights, [])
+        loss = _keras.compiled_loss(model, y, y_pred, weights, [])
         for index, term in enumerate(model.losses):
-            term = K.additional_loss(model, term)
+            term = _keras.additional_loss(model, term)
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
         return loss
 
@@ -216,19 +227,19 @@ def _scaled(sample_weight, share):
 
 
 def _has_compiled_loss(model):
-    return K.compiled_loss_container(model) is not None
+    return _keras.compiled_loss_container(model) is not None
 
 
-class TrackerFix:
+class OutputLossTrackers:
     """Sets Keras 3's per-output loss trackers after the loop to one update with the batch.
 
-    Take it (`TrackerFix(model)`) before the loop and `apply(batch_size)`
+    Take it (`OutputLossTrackers(model)`) before the loop and `apply(batch_size)`
     after: each tracker then holds what it held before plus the batch's loss
     for that output, weighted as Keras weights a whole batch.
     """
 
     def __init__(self, model):
-        self.trackers = [] if K.LEGACY else K.output_loss_trackers(model)
+        self.trackers = [] if _keras.LEGACY else _keras.output_loss_trackers(model)
         self.before = [
             (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers
         ]
@@ -243,17 +254,6 @@ class TrackerFix:
 
 
 # -- the probe's data -------------------------------------------------------------
-
-
-def _local(data, strategy):
-    """The first replica's part of a distributed batch."""
-
-    def first(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    return tf.nest.map_structure(first, data)
 
 
 def _first_samples(data, count):

@@ -2,15 +2,17 @@
 
 Keras's `fit`, `evaluate` and `predict` call `model.train_function(iterator)`
 (and the test and predict ones) once per step. For an `AccumulatingModel`
-that function is a `StepRunner`: it pulls the batch from the iterator itself,
-runs one step on it, and, when an out-of-memory policy is attached
-(`OOMBackoff`, or `micro_batch_size="auto"`), takes a snapshot of the state
-first and, on an out-of-memory error, puts it back, sets the micro-batch
-size the policy says, and runs the *same* batch again. The iterator never
-advances for a failed attempt, so no sample is lost or seen twice.
+that function is a `StepRunner`. It pulls the batch from the iterator itself
+(so the first step is prepared from the batch it trains on, and a failed
+attempt can run again on the same batch) and runs the model's step on it.
 
-The micro-batch size is run-time state that the step reads, so a new size
-needs no new trace: the retry runs the same step function.
+With an out-of-memory policy attached (`OOMBackoff`, or
+`micro_batch_size="auto"`), `run` is one retry loop: attempt the step; on an
+out-of-memory error put back what the attempt changed (`keras_memopt.
+_rollback`), ask the policy (which sets a smaller micro-batch, or raises its
+report), and attempt the same batch again. Under several workers all agree
+on each attempt (`keras_memopt._coordinator`). The micro-batch size is
+run-time state of the step, so a retry traces nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ import time
 
 import tensorflow as tf
 
-from keras_memopt import _keras as K
-from keras_memopt import _oom, distribute, supervise
+from keras_memopt import (
+    _coordinator,
+    _keras,
+    _oom_errors,
+    _rollback,
+    _shares,
+    distribute,
+    memory,
+    supervise,
+)
+from keras_memopt._auto_search import AutoSearch
+from keras_memopt._coordinator import StepStatus
 
 
-def batch_size_of(data):
+def static_replica_batch(data) -> int | None:
     """The number of samples per replica in a batch of data, if known here."""
     for leaf in tf.nest.flatten(data, expand_composites=False):
         if isinstance(leaf, tf.distribute.DistributedValues):
@@ -34,64 +46,47 @@ def batch_size_of(data):
     return None
 
 
-def _spec_key(value):
-    if value is None:
-        return None
-    if isinstance(value, tf.TypeSpec):
-        return value
-    return tf.type_spec_from_value(value)
-
-
 class StepRunner:
     """`model.<kind>_function`: one step per batch, retried on out-of-memory.
 
     Args:
         model: the `AccumulatingModel`.
         kind: "train", "test" or "predict".
-        step: the step to run on one replica's batch. Defaults to the model's
-            `<kind>_step`.
-        halves: `(local, finish)`, the step in two halves, the first without
-            collective ops (see `distribute.Agreement`), or None: what lets
-            several workers retry an out-of-memory error together.
-        first_batch: called with the first batch before its step (once per
-            runner), or None.
-        chose: called with the `micro_batch_size="auto"` search's report.
     """
 
-    def __init__(self, model, kind, step=None, halves=None, first_batch=None, chose=None):
+    def __init__(self, model, kind):
         self.model = model
         self.kind = kind
-        self._replica_step = step
-        self._halves = halves
-        self._agreement = None
-        self._first_batch = first_batch
-        self._chose = chose
-        self._one_step = None
-        self._concrete = {}
-        self._snapshot = _oom.Snapshot(model)
-        self._reporter = supervise.Reporter()
+        self._own = model._own_step(kind)
+        self._one_worker = None
+        self._several_workers = None
+        self._prepared = False
+        self._size_file = supervise.Reporter()
+        # What a failed attempt must put back: the loop's state for the
+        # model's own step (its update is guarded), everything for a custom one.
+        state = _rollback.loop_variables if self._own else _rollback.state_variables
+        self._snapshot = _rollback.Snapshot(lambda: state(model), model.distribute_strategy)
 
     def reset(self):
         """Forgets the traced step: the next step traces it again."""
-        self._one_step = None
-        self._concrete = {}
-        self._agreement = None
+        self._one_worker = self._several_workers = None
+        self.model._update_guard.forget()
 
-    def __call__(self, arg):
+    def __call__(self, iterator):
         # Traced for what the iterator yields (its batch axis unknown where the
         # data's is), as Keras's own step functions are: layers and losses see
         # the same static shapes as in plain Keras.
-        spec = getattr(arg, "element_spec", None)
-        if self.kind == "predict" and not K.LEGACY:
+        spec = getattr(iterator, "element_spec", None)
+        if self.kind == "predict" and not _keras.LEGACY:
             # Keras 3 pulls the predict data itself: a list of batches.
-            outputs = [self.run(data) for data in arg]
+            outputs = [self.run(data) for data in iterator]
             if len(outputs) == 1:
                 return outputs[0]
             return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
         outputs = None
-        for index in range(K.steps_per_execution(self.model)):
+        for index in range(_keras.steps_per_execution(self.model)):
             try:
-                data = next(arg)
+                data = next(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 if index == 0:
                     raise
@@ -99,142 +94,226 @@ class StepRunner:
             outputs = self.run(data, spec)
         return outputs
 
-    def _step(self, data, spec=None):
-        """The step function for `data` (traced for `spec` when given)."""
-        if self._one_step is None:
-            self._one_step = distribute.one_step_function(
-                self.model, self.kind, self._replica_step
-            )
-        if not hasattr(self._one_step, "get_concrete_function"):
-            return self._one_step  # run eagerly
-        spec = K.strip_optionals(spec) if spec is not None else data
-        key = repr(tf.nest.map_structure(_spec_key, spec))
-        if key not in self._concrete:
-            # Tracing creates the variables Keras makes lazily (optimizer
-            # slots, metrics) before a snapshot is taken.
-            self._concrete[key] = self._one_step.get_concrete_function(spec)
-        return self._concrete[key]
-
     def _in_use(self, data):
-        return self.model.micro_batch_size_for(batch_size_of(data))
+        return self.model._setting.in_use(static_replica_batch(data))
 
     def run(self, data, spec=None):
         """Runs one step on `data`; backs off and retries on out-of-memory."""
-        data = K.strip_optionals(data)
+        data = _keras.strip_optionals(data)
         model = self.model
         if model.replica_shares is not None:
-            data = distribute.split_by_shares(data, model.distribute_strategy, model.replica_shares)
+            data = _shares.split_by_shares(data, model.distribute_strategy, model.replica_shares)
             spec = None  # the parts' shapes are not the iterator's
-        if self._first_batch is not None:
-            first, self._first_batch = self._first_batch, None
-            with _oom.state_must_fit():
-                first(data)
-        policy = model.oom_policy
+        if not self._prepared:
+            self._prepare(data)
         search = None
         if model.micro_batch_size == "auto":
-            search = _oom.AutoSearch(model, batch_size_of(data))
-            model.micro_batch_size = search.initial
-            policy = policy or _oom.BackoffPolicy()
+            search = AutoSearch(model, static_replica_batch(data))
+        policy = search.policy if search is not None else model.oom_policy
         if policy is None:
-            self._reporter.report(self._in_use(data))
-            return self._step(data, spec)(data)
-        if distribute.multi_worker(model.distribute_strategy):
-            outputs = self._agreeing(data, spec, policy, search)
-        else:
-            outputs = self._retrying(data, spec, policy, search)
-        if search is not None and self._chose is not None:
-            self._chose(search.report(self._in_use(data)))
+            self._size_file.report(self._in_use(data))
+            coordinator = self._coordinator(retrying=False)
+            return coordinator.finish(coordinator.run(data, spec))
+        outputs = self._with_retries(data, spec, policy)
+        size = self._in_use(data)
+        if search is not None:
+            search.chose(size)
         if self.kind == "train" and isinstance(outputs, dict):
             # Into the step's logs, so that every callback sees it, whatever
-            # its place in the list.
-            size = self._in_use(data)
-            size = max(size) if isinstance(size, tuple) else size  # the largest replica's
-            outputs = {**outputs, "micro_batch_size": size}
+            # its place in the list (the largest replica's, for several).
+            outputs = {**outputs, "micro_batch_size": max(_sizes(size))}
         return outputs
 
-    def _retrying(self, data, spec, policy, search):
-        """The step's outputs, after as many backoffs as `policy` allows."""
-        while True:
-            current = self._in_use(data)
-            self._reporter.report(current)
-            step = self._step(data, spec)
-            taken = self._snapshot.take()
-            started = time.perf_counter()
-            try:
-                return step(data)
-            except tf.errors.OpError as error:
-                if not _oom.is_oom(error):
-                    raise
-                failed = error
-            failed_seconds = time.perf_counter() - started
-            recovery = time.perf_counter()
-            self._snapshot.restore(taken)
-            del taken
-            self._back_off(current, failed, failed_seconds, recovery, policy, search)
-            del failed
+    def _prepare(self, data):
+        """What the first step needs, made from its own batch (no other is taken)."""
+        self._prepared = True
+        if self.kind == "train":
+            cap = supervise.max_micro_batch_size()
+            size = self._in_use(data)
+            if cap is not None and size is not None and max(_sizes(size)) > cap:
+                self.model.micro_batch_size = (
+                    tuple(min(s, cap) for s in size) if isinstance(size, tuple) else cap
+                )
+        with _oom_errors.state_must_fit():
+            self.model._prepare_step(self.kind, data)
 
-    def _back_off(self, current, failed, failed_seconds, recovery, policy, search):
-        """After a rolled-back step: the next micro-batch size, and the backoff's record."""
-        if search is not None:
-            search.failed(current, failed_seconds)
-        self.model.micro_batch_size = policy.next_size(current, failed)
-        policy.record(
-            dict(
-                kind=self.kind,
-                allocation=_oom.allocation_note(failed),
-                failed_micro_batch_size=current,
-                micro_batch_size=self.model.micro_batch_size,
-                failed_step_seconds=failed_seconds,
-                recovery_seconds=time.perf_counter() - recovery,
-            )
+    def _coordinator(self, retrying):
+        """The step's functions: whole on one worker, or in three calls under several
+        workers that retry together."""
+        model = self.model
+        several = retrying and distribute.multi_worker(model.distribute_strategy)
+        if not several:
+            if self._one_worker is None:
+                step = model._checked_train_step if self.kind == "train" else None
+                step = step or getattr(model, f"{self.kind}_step")
+                self._one_worker = _coordinator.OneWorker(model, self.kind, step)
+            coordinator = self._one_worker
+        else:
+            halves = model._step_halves(self.kind)
+            if halves is None:
+                raise ValueError(
+                    "Under MultiWorkerMirroredStrategy, OOMBackoff and "
+                    'micro_batch_size="auto" need AccumulatingModel\'s own '
+                    f"{self.kind} step, which it splits so that all workers can retry "
+                    "together; a custom step cannot be split. Remove OOMBackoff, or "
+                    f"train with the model's own step. Received: a custom {self.kind}_step "
+                    f"of {type(model).__name__}"
+                )
+            if self._several_workers is None:
+                self._several_workers = _coordinator.SeveralWorkers(model, self.kind, *halves)
+            coordinator = self._several_workers
+        return coordinator
+
+    # -- the retry loop ------------------------------------------------------------------
+
+    def _with_retries(self, data, spec, policy):
+        """The step's outputs, after as many backoffs as `policy` allows."""
+        coordinator = self._coordinator(retrying=True)
+        while True:
+            size = self._in_use(data)
+            self._size_file.report(size)
+            outputs, failure = self._attempt(coordinator, data, spec, size)
+            if failure is None:
+                return outputs
+            policy.back_off(self.model, failure)  # raises when it cannot
+
+    def _guarded(self):
+        """Whether the update of this step runs behind the `UpdateGuard`."""
+        model = self.model
+        return (
+            self.kind == "train"
+            and self._own
+            and bool(model.trainable_variables)
+            and model.devices is None
         )
 
-    def _agreeing(self, data, spec, policy, search):
-        """`_retrying` across workers: every worker retries when any runs out of memory."""
-        if self._halves is None:
-            raise ValueError(
-                "Under MultiWorkerMirroredStrategy, OOMBackoff and "
-                'micro_batch_size="auto" need AccumulatingModel\'s own '
-                f"{self.kind} step, which it splits so that all workers can retry "
-                "together; a custom step cannot be split. Remove OOMBackoff, or "
-                f"train with the model's own step. Received: a custom {self.kind}_step "
-                f"of {type(self.model).__name__}"
+    def _attempt(self, coordinator, data, spec, size):
+        """One attempt: `(outputs, None)`, or `(None, OutOfMemory)` with the state put back."""
+        model = self.model
+        strategy = model.distribute_strategy
+        devices = _step_devices(strategy)
+        taken = self._snapshot.take()
+        host = None
+        if self._guarded() and not model._update_guard.prepare(size, devices):
+            host = _rollback.HostCopy(_rollback.update_variables(model), strategy)
+        in_use = [memory.reset_step_peak(device) for device in devices][0]
+        status, error, outputs, seconds = self._run_once(coordinator, data, spec)
+        status = coordinator.agree(status)
+        if status == StepStatus.OK:
+            outputs = coordinator.finish(outputs)
+            if self._guarded():
+                model._update_guard.learn(size)
+            return outputs, None
+        recovery = time.perf_counter()
+        phase = self._phase_of(error)
+        if phase is _oom_errors.Phase.UPDATE and not _reservation_failed(error):
+            if host is None:
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, _oom_errors.report(error, phase, micro_batch_size=size, note=(
+                        "The update ran out of memory after its memory was reserved: the "
+                        "weights and optimizer variables may be partly updated; restore "
+                        "them from a checkpoint."
+                    ))
+                ) from error
+            host.restore()
+        self._snapshot.restore(taken)
+        del taken, host
+        if status == StepStatus.FAILED:
+            if error is not None and not _oom_errors.is_oom(error):
+                raise error
+            raise tf.errors.AbortedError(
+                None, None,
+                "Another worker's step failed (not with an out-of-memory error "
+                "this worker could retry); every worker stops here, with the "
+                "model as it was before the step.",
             )
-        if self._agreement is None:
-            self._agreement = distribute.Agreement(self.model, self.kind, *self._halves)
-            if hasattr(self._agreement.local, "get_concrete_function"):
-                self._agreement.local.get_concrete_function(spec or data)
-        agreement = self._agreement
-        while True:
-            current = self._in_use(data)
-            self._reporter.report(current)
-            taken = self._snapshot.take()
-            started = time.perf_counter()
-            status, failed = distribute.OK, None
-            try:
-                outputs = agreement.local(data)
-            except tf.errors.OpError as error:
-                failed = error
-                status = distribute.OUT_OF_MEMORY if _oom.is_oom(error) else distribute.FAILED
-            failed_seconds = time.perf_counter() - started
-            total = float(agreement.agree(tf.constant(status, tf.float32)))
-            if total == distribute.OK:
-                return agreement.finish(outputs)
-            recovery = time.perf_counter()
-            self._snapshot.restore(taken)
-            del taken
-            if total >= distribute.FAILED:
-                if status == distribute.FAILED:
-                    raise failed
-                raise tf.errors.AbortedError(
-                    None, None,
-                    "Another worker's step failed (not with an out-of-memory error "
-                    "this worker could retry); every worker stops here, with the "
-                    "model as it was before the step.",
-                )
-            if failed is None:
-                failed = tf.errors.ResourceExhaustedError(
-                    None, None, "OOM on another worker: every worker retries the step."
-                )
-            self._back_off(current, failed, failed_seconds, recovery, policy, search)
-            del failed
+        if error is None:
+            error = tf.errors.ResourceExhaustedError(
+                None, None, "OOM on another worker: every worker retries the step."
+            )
+        return None, _oom_errors.OutOfMemory(
+            kind=self.kind,
+            phase=phase,
+            error=error,
+            micro_batch_size=size,
+            memory_in_use=in_use,
+            memory=self._step_memory(size, devices[0], in_use),
+            failed_step_seconds=seconds,
+            recovery_seconds=time.perf_counter() - recovery,
+        )
+
+    @staticmethod
+    def _run_once(coordinator, data, spec):
+        """`(status, error, outputs, seconds)` of this worker's part of the step.
+
+        An error other than out of memory is raised at once on one worker;
+        under several, the others must learn of it first.
+        """
+        started = time.perf_counter()
+        try:
+            outputs = coordinator.run(data, spec)
+        except tf.errors.OpError as error:
+            oom = _oom_errors.is_oom(error)
+            if not oom and not isinstance(coordinator, _coordinator.SeveralWorkers):
+                raise
+            status = StepStatus.OUT_OF_MEMORY if oom else StepStatus.FAILED
+            return status, error, None, time.perf_counter() - started
+        return StepStatus.OK, None, outputs, time.perf_counter() - started
+
+    def _phase_of(self, error):
+        """Where in the step `error` happened (None: on another worker)."""
+        if self.kind != "train":
+            return _oom_errors.Phase.EVALUATION
+        if error is not None and _reservation_failed(error):
+            return _oom_errors.Phase.UPDATE
+        if self._guarded() and self.model._update_guard.update_began():
+            return _oom_errors.Phase.UPDATE
+        op = (_oom_errors.parse_oom(str(error))["op"] or "") if error is not None else ""
+        if "gradient_sum" in op:
+            return _oom_errors.Phase.GRADIENT_SUM
+        return _oom_errors.Phase.MICRO_BATCH
+
+    def _step_memory(self, size, device, in_use):
+        model = self.model
+        peak = memory.step_peak(device) if in_use is not None else None
+        optimizer = getattr(model, "optimizer", None)
+        trainable = model.trainable_variables
+        return _oom_errors.StepMemory(
+            weights=_bytes(model.variables),
+            optimizer_state=_bytes(_keras.optimizer_variables(optimizer)) if optimizer else 0,
+            gradient_sum=sum(_elements(v) * 4 for v in trainable),
+            largest_gradient=max((_elements(v) * 4 for v in trainable), default=0),
+            update=model._update_guard.need(size),
+            step_peak=None if peak is None else peak - in_use,
+            micro_batch_size=size,
+            device_total=memory.device_total(device),
+        )
+
+
+def _sizes(size):
+    return size if isinstance(size, tuple) else (size,)
+
+
+def _reservation_failed(error) -> bool:
+    return "update_reservation" in (_oom_errors.parse_oom(str(error))["op"] or "")
+
+
+def _elements(variable) -> int:
+    return int(tf.TensorShape(variable.shape).num_elements() or 0)
+
+
+def _bytes(variables) -> int:
+    return sum(_elements(v) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def _step_devices(strategy) -> list[str]:
+    """The devices a step of `strategy` runs on (this worker's), as memory readers name them."""
+    if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+        return [memory.default_device()]  # Keras places a model without a strategy there
+    devices = []
+    for name in strategy.extended.worker_devices:
+        spec = tf.DeviceSpec.from_string(name)
+        device = f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+        if device not in devices:
+            devices.append(device)
+    return devices

@@ -1,21 +1,27 @@
 """The train, test and predict steps of `AccumulatingModel`, micro-batch by micro-batch.
 
-`MicroBatchSteps` is the part of `AccumulatingModel` that Keras's `fit`,
-`evaluate` and `predict` call once per batch (through the step runner): each
-step splits the batch into micro-batches and runs them in the loop of
-`keras_memopt._loop`, with each micro-batch's share of the loss from
-`keras_memopt._losses`. `accumulate_gradients` is the same loop for custom
-train steps.
+Read it as Keras's own `train_step` (keras/src/backend/tensorflow/trainer.py)
+with the batch split:
+
+- `train_step` = `_train_gradients` (the micro-batch loop: each micro-batch's
+  forward pass, loss and gradients, summed; no collective op) followed by
+  `_train_update` (one optimizer update, then the metrics' results);
+- `test_step` = `_test_loss` then `_test_logs`; `predict_step` concatenates
+  each micro-batch's predictions;
+- `accumulate_gradients` is the same loop for custom train steps.
+
+The halves are separate so that several workers can agree between them
+whether any ran out of memory (`keras_memopt._coordinator`).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _keras as K
-from keras_memopt import _loop, _losses, distribute
+from keras_memopt import _keras, _loop, _losses, _shares, distribute
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 
@@ -41,42 +47,68 @@ def _update_counters(model):
     return counters
 
 
+def _has_masks(y_pred) -> bool:
+    return any(mask is not None for mask in _losses.output_masks(y_pred))
+
+
 class MicroBatchSteps:
     """The steps of `AccumulatingModel` (a mixin: see that class)."""
 
-    def _split_step(self, kind):
-        """`(local, finish)`: the built-in `kind` step in two halves, the first
-        without collective ops, or None for a custom step or `predict`."""
-        own = getattr(type(self), f"{kind}_step") is getattr(MicroBatchSteps, f"{kind}_step")
-        if kind == "train" and own:
-            return self._local_train_step, lambda outputs: self._update(*outputs)
-        if kind == "test" and own:
-            return self._local_test_step, lambda outputs: self._test_logs(*outputs)
-        if kind == "predict" and own:
-            return self.predict_step, None
-        return None
+    def _own_step(self, kind) -> bool:
+        """Whether the model runs this mixin's `<kind>_step` (not its own override)."""
+        name = f"{kind}_step"
+        return getattr(type(self), name) is getattr(MicroBatchSteps, name)
+
+    def _step_halves(self, kind):
+        """`(local, finish)`: the own `kind` step in two halves, the first
+        without collective ops, or None for a custom step."""
+        if not self._own_step(kind):
+            return None
+        if kind == "train":
+            return self._train_gradients, lambda outputs: self._train_update(*outputs)
+        if kind == "test":
+            return self._test_loss, lambda outputs: self._test_logs(*outputs)
+        return self.predict_step, None
 
     def _checked_train_step(self, data):
         """`train_step`, warning once when a custom one splits nothing."""
         self._accumulating = False
         outputs = self.train_step(data)
-        splits = self._micro_batch_size is not None or (self._accumulation_steps or 1) > 1
         cls = type(self)
-        if not self._accumulating and splits and cls not in _WARNED_CUSTOM_STEPS:
+        if not self._accumulating and self._setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
             _WARNED_CUSTOM_STEPS.add(cls)
-            warnings.warn(
+            _warn_at(
+                cls.train_step,
                 f"{cls.__name__}.train_step runs the whole batch at once: it calls "
                 "neither `self.accumulate_gradients(...)` nor "
                 "`super().train_step(data)`, so the micro-batch setting "
-                f"(micro_batch_size={self._micro_batch_size!r}, accumulation_steps="
-                f"{self._accumulation_steps!r}) saves no memory. Compute the "
-                "gradients with `self.accumulate_gradients(loss_fn, data, "
-                "variables)`.",
-                stacklevel=2,
+                f"(micro_batch_size={self.micro_batch_size!r}, accumulation_steps="
+                f"{self.accumulation_steps!r}) saves no memory. Compute the "
+                "gradients with `self.accumulate_gradients(loss_fn, data, variables)`.",
             )
         return outputs
 
-    # -- the steps ----------------------------------------------------------------
+    # -- what every step does first ------------------------------------------------
+
+    def _prepare_step(self, kind, data):
+        """Makes, from the first step's own batch, what it would make while traced.
+
+        Keras 3 builds the model, the compiled metrics and losses and the
+        optimizer from the batch's shapes (as Keras does under a distribution
+        strategy, but without taking a batch from the user's data), so that
+        the first step is traced once; a model with no `call()` of its own
+        (a GAN whose `train_step` calls its parts) is left to its step, as
+        Keras leaves it. The model's own steps also check how their losses
+        split over micro-batches (`keras_memopt._losses.LossSplit.check`).
+        """
+        local = distribute.first_replica_part(data, self.distribute_strategy)
+        buildable = isinstance(self, _keras.Functional) or (
+            type(self).call is not _keras.keras.Model.call
+        )
+        if buildable and not _keras.LEGACY and kind != "predict":
+            _keras.symbolic_build(self, local)
+        if kind != "predict" and self._own_step(kind):
+            self._loss_split.check(local)
 
     def _forward(self, x, training):
         # Recomputed segments matter in training only; placed ones always.
@@ -113,115 +145,120 @@ class MicroBatchSteps:
 
     def _unpack(self, data):
         _loop.check_splittable(data)
-        x, y, sample_weight = K.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = _keras.unpack_x_y_sample_weight(data)
         self._build_before_loop(x)
         return x, y, sample_weight
 
-    def _valid_counts(self, x, size):
-        """Unmasked elements per output over the batch: a forward pass, inference mode."""
+    def _micro_batch_pass(self, micro_step, data, batch_size, masked):
+        """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
-        def count(micro_x):
-            return _losses.valid_counts(self._forward(micro_x, training=False))
-
-        return _loop.accumulate(count, x, size, jit_compile=self._micro_batch_jit_compile)
-
-    def _accumulate_losses(self, micro_step, data, batch_size, masked):
-        """Runs `micro_step((x, y, sample_weight), valid)` over the micro-batches; sums it.
-
-        `micro_step` appends to `masked` whether the outputs carry masks
-        (known when it is traced, before the loop is built).
+        The pass `train_step` and `test_step` share. `micro_step` returns the
+        micro-batch's share of the loss first, and appends to `masked` whether
+        the outputs carry masks (known once it is traced, before the loop is
+        built). `counts` are what Keras divides each output's loss by, over the
+        whole batch: counted in a first pass when an output carries a mask
+        (see `keras_memopt._losses`). Returns the summed outputs and the scale
+        that turns this replica's loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
-        size = self._setting.micro_batch_size(replica_batch)
+        size = self._setting.size_tensor(replica_batch)
         jit = self._micro_batch_jit_compile
-        no_counts = tf.zeros([0])  # `valid` when no output carries a mask
+        no_counts = tf.zeros([0])
         traced = _loop.micro_function(micro_step, data, no_counts, jit_compile=jit)
-        valid = self._valid_counts(data[0], size) if masked[-1] else no_counts
-        trackers = _losses.TrackerFix(self)
-        outputs = _loop.accumulate(micro_step, data, size, valid, traced=traced)
+        counts = no_counts
+        if masked[-1]:
+            counts = self._loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
+        trackers = _losses.OutputLossTrackers(self)
+        outputs = _loop.accumulate(micro_step, data, size, counts, traced=traced)
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
         scale = tf.cast(batch_size, tf.float32) / tf.cast(replica_batch, tf.float32)
-        trackers.apply(K.static_batch_dim(data[0]), scale)
+        trackers.apply(_keras.static_batch_dim(data[0]), scale)
         return outputs, scale
+
+    # -- training ------------------------------------------------------------------
 
     def train_step(self, data):
         self._accumulating = True
-        return self._update(*self._local_train_step(data))
+        return self._train_update(*self._train_gradients(data))
 
-    def _local_train_step(self, data):
-        """The batch's loss, size and summed gradients; no collective op (no update)."""
+    def _train_gradients(self, data):
+        """The batch's loss, size and summed gradients: the micro-batch loop, no update."""
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
-        batch_size = distribute.effective_batch_size(replica_batch, self._replica_shares)
+        batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
         variables = self.trainable_variables
         counters = _update_counters(self)
         starts = [counter.read_value() for counter in counters]
         masked = []
 
-        def micro_step(micro, valid):
+        def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             restarts = [c.assign(s) for c, s in zip(counters, starts, strict=True)]
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
                 y_pred = self._forward(micro_x, training=True)
-                masked.append(any(m is not None for m in _losses.output_masks(y_pred)))
+                masked.append(_has_masks(y_pred))
                 loss = self._loss_split.micro_batch_loss(
-                    micro_x, micro_y, y_pred, micro_weight, batch_size, valid, training=True
+                    micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=True
                 )
-                scaled = K.scale_loss(self.optimizer, loss)
+                scaled = _keras.scale_loss(self.optimizer, loss)
             gradients = tape.gradient(scaled, variables)
-            K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
+            _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return tf.cast(loss, tf.float32), gradients
 
-        (loss, gradients), scale = self._accumulate_losses(
+        (loss, gradients), scale = self._micro_batch_pass(
             micro_step, (x, y, sample_weight), batch_size, masked
         )
         return loss * scale, replica_batch, gradients
 
-    def _update(self, loss, batch_size, gradients):
-        """The step's update (across replicas) and its logs."""
-        K.track_loss(self, loss, batch_size)
+    def _train_update(self, loss, batch_size, gradients):
+        """The step's update (across replicas), once every micro-batch has run, and its logs."""
+        _keras.track_loss(self, loss, batch_size)
         variables = self.trainable_variables
         if variables:
-            K.apply_gradients(self.optimizer, gradients, variables)
+            began = self._update_guard.begin(gradients)
+            with tf.control_dependencies([began]):
+                _keras.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
 
-    def test_step(self, data):
-        return self._test_logs(*self._local_test_step(data))
+    # -- evaluation and prediction -------------------------------------------------
 
-    def _local_test_step(self, data):
+    def test_step(self, data):
+        return self._test_logs(*self._test_loss(data))
+
+    def _test_loss(self, data):
         """The batch's loss and size, metrics updated; no collective op."""
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
-        batch_size = distribute.effective_batch_size(replica_batch, self._replica_shares)
+        batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
         masked = []
 
-        def micro_step(micro, valid):
+        def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             y_pred = self._forward(micro_x, training=False)
-            masked.append(any(m is not None for m in _losses.output_masks(y_pred)))
+            masked.append(_has_masks(y_pred))
             loss = self._loss_split.micro_batch_loss(
-                micro_x, micro_y, y_pred, micro_weight, batch_size, valid, training=False
+                micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
-            K.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
+            _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return tf.cast(loss, tf.float32)
 
-        loss, scale = self._accumulate_losses(
+        loss, scale = self._micro_batch_pass(
             micro_step, (x, y, sample_weight), batch_size, masked
         )
         return loss * scale, replica_batch
 
     def _test_logs(self, loss, batch_size):
-        K.track_loss(self, loss, batch_size)
+        _keras.track_loss(self, loss, batch_size)
         return self.get_metrics_result()
 
     def predict_step(self, data):
-        x, _, _ = K.unpack_x_y_sample_weight(data)
+        x, _, _ = _keras.unpack_x_y_sample_weight(data)
         _loop.check_splittable(x)
         self._build_before_loop(x)
         if not [t for t in tf.nest.flatten(x) if t is not None]:
             return self._forward(x, training=False)  # Keras says what is missing
-        size = self._setting.micro_batch_size(_loop.batch_size_of(x))
+        size = self._setting.size_tensor(_loop.batch_size_of(x))
         return _loop.concatenate(lambda micro_x: self._forward(micro_x, training=False), x, size)
 
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None):
@@ -287,9 +324,20 @@ class MicroBatchSteps:
             with tf.GradientTape() as tape:
                 loss = loss_fn(micro)
                 loss = loss * tf.cast(share, loss.dtype)
-                scaled = K.scale_loss(optimizer, loss)
+                scaled = _keras.scale_loss(optimizer, loss)
             return tf.cast(loss, tf.float32), tape.gradient(scaled, variables)
 
-        size = self._setting.micro_batch_size(batch_size)
+        size = self._setting.size_tensor(batch_size)
         jit = self._micro_batch_jit_compile
         return _loop.accumulate(micro_step, data, size, jit_compile=jit)
+
+
+def _warn_at(function, message):
+    """A `UserWarning` attributed to where `function` is defined (a user's step)."""
+    function = inspect.unwrap(function)
+    try:
+        filename = inspect.getsourcefile(function) or "<unknown>"
+        lineno = inspect.getsourcelines(function)[1]
+    except (OSError, TypeError):
+        filename, lineno = "<unknown>", 0
+    warnings.warn_explicit(message, UserWarning, filename, lineno, module=function.__module__)

@@ -1,4 +1,4 @@
-"""Argument checks shared by the public classes, worded as Keras words them.
+"""Argument checks shared by the public classes, worded as Keras words them, and the shrink rule.
 
 Light to import (no NumPy, no TensorFlow): the command line uses them before
 it loads anything heavy.
@@ -52,6 +52,15 @@ def backoff_factor(value):
             f"of the micro-batch to keep. Received: factor={value!r}"
         )
     return float(value)
+
+
+def shrink(size: int, factor: float, minimum: int) -> int:
+    """The micro-batch size after an out-of-memory error at `size`: the one rule.
+
+    `size * factor` rounded down, at least one sample smaller and never below
+    `minimum`; used by `OOMBackoff` and `keras-memopt run`.
+    """
+    return max(minimum, min(size - 1, int(size * factor)))
 
 
 def positive_int_argument(text: str) -> int:

@@ -173,7 +173,74 @@ def allocator_memory(device: str | None = None) -> dict | None:
         info = tf.config.experimental.get_memory_info(device)
     except (ValueError, RuntimeError, tf.errors.OpError):
         return None
-    return dict(device=device, current=info["current"], peak=info["peak"])
+    peak = max(info["peak"], _PEAKS_RESET_AWAY.get(_canonical(device), 0))
+    return dict(device=device, current=info["current"], peak=peak)
+
+
+# Peaks the step runner reset to measure one step (`reset_step_peak`), per
+# device: `allocator_memory` still reports them until a reader starts a new
+# window (`MemoryReader.reset_peaks`), so that a user's peak is not lost.
+_PEAKS_RESET_AWAY: dict[str, int] = {}
+
+
+def reset_step_peak(device: str) -> int | None:
+    """Starts a new peak window on `device` for one step; returns its current bytes.
+
+    What the allocator's peak was before is kept for `allocator_memory`.
+    Returns None where the device gives no figures.
+    """
+    import tensorflow as tf
+
+    info = allocator_memory(device)
+    if info is None:
+        return None
+    key = _canonical(device)
+    _PEAKS_RESET_AWAY[key] = max(_PEAKS_RESET_AWAY.get(key, 0), info["peak"])
+    tf.config.experimental.reset_memory_stats(device)
+    return info["current"]
+
+
+def step_peak(device: str) -> int | None:
+    """The allocator's peak on `device` since `reset_step_peak`, or None."""
+    import tensorflow as tf
+
+    try:
+        return tf.config.experimental.get_memory_info(device)["peak"]
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return None
+
+
+def device_total(device: str) -> int | None:
+    """The bytes TensorFlow's allocator may hand out on `device`, where known.
+
+    A logical GPU's configured memory limit, else its total (NVML); the CPU
+    BFC allocator's limit (`TF_CPU_BFC_MEM_LIMIT_IN_MB`). None otherwise.
+    """
+    import tensorflow as tf
+
+    spec = _device_spec(device)
+    kind, index = (spec.device_type or "CPU").upper(), spec.device_index or 0
+    if kind == "CPU":
+        bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+        limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")
+        return int(limit) * MIB if bfc and limit and limit.isdigit() else None
+    if kind != "GPU":
+        return None
+    physical = tf.config.list_physical_devices("GPU")
+    logical = []
+    for gpu in physical:
+        configs = tf.config.get_logical_device_configuration(gpu) or [None]
+        logical.extend((gpu, c) for c in configs)
+    if index >= len(logical):
+        return None
+    gpu, config = logical[index]
+    if config is not None and getattr(config, "memory_limit", None):
+        return int(config.memory_limit) * MIB
+    try:
+        handle = nvml_handle_of_tf_gpu(physical.index(gpu))
+        return int(nvml().nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # noqa: BLE001 - NVML missing or unusable: unknown
+        return None
 
 
 # -- NVML ----------------------------------------------------------------------------------
@@ -375,4 +442,5 @@ class MemoryReader:
 
         for device in self.devices:
             if self._allocator(device) is not None:
+                _PEAKS_RESET_AWAY.pop(_canonical(device), None)
                 tf.config.experimental.reset_memory_stats(device)

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _graph
-from keras_memopt import _keras as K
-from keras_memopt import remat as _remat
+from keras_memopt import _graph, _keras, _segments, _update
 
 
 class Placement:
@@ -51,7 +49,7 @@ class Placement:
         return self.devices[sum(cut < node for cut in self.cuts)]
 
 
-class Placed:
+class PlacementMixin:
     """The part of `AccumulatingModel` that places its segments (a mixin)."""
 
     @property
@@ -65,7 +63,7 @@ class Placed:
         return config(self._placement)["device_cuts"]
 
     def _set_placement(self, devices, device_cuts):
-        setting = validate(devices, device_cuts, self, isinstance(self, K.Functional))
+        setting = validate(devices, device_cuts, self, isinstance(self, _keras.Functional))
         self._placement = place(self, *setting) if setting else None
 
 
@@ -167,19 +165,19 @@ def place(model, devices, device_cuts):
     moves = []
     for variable, node in _owned_variables(graph):
         device = placement.device_of(node)
-        if _device_key(K.variable_device(variable)) != _device_key(device):
+        if _device_key(_keras.variable_device(variable)) != _device_key(device):
             moves.append((variable, device))
-    if moves and K.LEGACY:
+    if moves and _keras.LEGACY:
         variable, device = moves[0]
         raise ValueError(
             "tf_keras cannot move a layer's variables to another device once they "
-            f"exist: {variable.name!r} is on {K.variable_device(variable)!r}, and "
+            f"exist: {variable.name!r} is on {_keras.variable_device(variable)!r}, and "
             f"its segment runs on {device!r}. Create each segment's layers (call "
             "them on the model's inputs) under `with tf.device(...)`, or use "
             f"Keras 3. Received: devices={list(devices)!r}, device_cuts={device_cuts!r}"
         )
     for variable, device in moves:
-        K.move_variable(variable, device)
+        _keras.move_variable(variable, device)
     return placement
 
 
@@ -267,20 +265,11 @@ def build_optimizer(optimizer, variables):
     outside any traced function, each slot is created where its variable is
     (the optimizer colocates them). The arithmetic of an update (Keras's
     `update_step`, one variable at a time) carries no device either, so it is
-    run under its variable's device. Optimizers without `update_step`
-    (tf_keras's legacy ones) update with fused ops that run where the
-    variable is.
+    run under its variable's device (`keras_memopt._update.chain_updates`).
+    Optimizers without `update_step` (tf_keras's legacy ones) update with
+    fused ops that run where the variable is.
     """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a loss-scale optimizer's
-    update_step = getattr(inner, "update_step", None)
-    if update_step is not None and not getattr(update_step, "placed", False):
-
-        def placed_update_step(gradient, variable, *args, **kwargs):
-            with tf.device(K.variable_device(variable)):
-                return update_step(gradient, variable, *args, **kwargs)
-
-        placed_update_step.placed = True
-        inner.update_step = placed_update_step
+    _update.chain_updates(optimizer, place_on_variable_device=True)
     build = getattr(optimizer, "build", None)
     if build is not None and not getattr(optimizer, "built", False):
         with tf.init_scope():
@@ -294,15 +283,15 @@ def build_plan(model, remat, placement):
     recomputed when `remat` recomputes it and runs on its placement's device.
     """
     if placement is None:
-        return _remat.build_plan(model, remat)
+        return _segments.build_plan(model, remat)
     if remat is None:
         remat_cuts, graph = [], _graph.Graph(model)
     else:
-        remat_cuts, graph = _remat.plan_segments(model, remat)
+        remat_cuts, graph = _segments.plan_segments(model, remat)
     cuts = sorted({*remat_cuts, *placement.cuts})
     ends = [*cuts, len(graph.nodes) - 1]
     last_recomputed = remat_cuts[-1] if remat_cuts else -1
-    return _remat.SegmentPlan(
+    return _segments.SegmentPlan(
         model,
         cuts,
         graph,

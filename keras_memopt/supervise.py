@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_memopt._validation import backoff_factor, positive_int
+from keras_memopt._validation import backoff_factor, positive_int, shrink
 
 STATE_VARIABLE = "KERAS_MEMOPT_RUN_STATE"
 CAP_VARIABLE = "KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE"
@@ -178,7 +178,7 @@ def supervise(
                     file=sys.stderr,
                 )
                 return returncode
-            cap = max(min_micro_batch_size, min(size - 1, int(size * factor)))
+            cap = shrink(size, factor, min_micro_batch_size)
             env[CAP_VARIABLE] = str(cap)
             env.setdefault(ONEDNN_VARIABLE, "0")
             restarts += 1

@@ -15,7 +15,6 @@ import tensorflow as tf
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel
-from keras_memopt._graph import Graph
 from keras_memopt._keras import keras, optimizer_variables
 from keras_memopt.placement import _partition
 
@@ -106,6 +105,17 @@ def _assert_same_weights(wa, wb):
     assert len(wa) == len(wb)
     for x, y in zip(wa, wb, strict=True):
         np.testing.assert_allclose(x, y, **EXACT)
+
+
+def _layer_devices(model):
+    """Where each layer with weights keeps them."""
+    devices = {}
+    for layer in model.layers:
+        found = {_device(w) for w in layer.weights}
+        if found:
+            assert len(found) == 1, (layer.name, found)
+            devices[layer.name] = found.pop()
+    return devices
 
 
 def _expected_device(layer_name):
@@ -243,13 +253,15 @@ class TestTraining:
         np.testing.assert_allclose(loss, float(expected), rtol=1e-6)
 
     def test_a_cut_shared_with_remat_is_one_segment_end(self):
-        plan = _placed(remat=["norm0", "dense1", "norm2"])._segment_plan
-        assert len(plan.segments) == 4  # up to norm0, dense1, norm2, and the head
-        assert plan.recomputed == [True, True, True, False]
-        assert plan.devices == [DEVICES[0], DEVICES[0], DEVICES[1], DEVICES[1]]
+        model = _placed(remat=["norm0", "dense1", "norm2"])
+        # Up to norm0, dense1 (also the device cut), norm2, and the head.
+        assert model.recomputed_segments == [
+            ["dense0", "norm0"], ["dense1"], ["norm1", "dense2", "norm2"]
+        ]
+        assert _layer_devices(model) == {name: _expected_device(name) for name in LAYER_NAMES}
 
     def test_auto_balances_memory(self):
-        assert _placed("auto")._placement.cuts == _placed(["dense1"])._placement.cuts
+        assert _layer_devices(_placed("auto")) == _layer_devices(_placed(["dense1"]))
         assert _partition([4, 1, 1, 1, 1], 2) == [0]  # [4] [1 1 1 1]
         assert _partition([1, 1, 1, 1, 4], 2) == [3]
         assert _partition([2, 2, 2, 2, 2, 2], 3) == [1, 3]
@@ -262,7 +274,9 @@ class TestTraining:
         for i in range(4):
             x = layers.Dense(8, name=f"small{i}")(x)
         model = AccumulatingModel(inputs, x, devices=DEVICES)
-        assert [Graph(model).nodes[i][0].name for i in model._placement.cuts] == ["big"]
+        devices = _layer_devices(model)
+        assert devices.pop("big") == DEVICES[0]
+        assert set(devices.values()) == {DEVICES[1]}
 
 
 class TestSetting:
@@ -290,7 +304,7 @@ class TestSetting:
     def test_without_devices_nothing_is_placed(self):
         model = _graph_layers()
         assert model.devices is None and model.device_cuts is None
-        assert model._segment_plan is None
+        assert set(_layer_devices(model).values()) == {DEVICES[0]}
         assert model.get_config()["devices"] is None
 
 

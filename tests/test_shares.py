@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_memopt import AccumulatingModel, distribute
+from keras_memopt import AccumulatingModel, _shares
 from keras_memopt._keras import keras
 
 layers = keras.layers
@@ -81,18 +81,18 @@ def test_uneven_shares_train_as_one_device(mirrored_strategy):
 
 
 def test_share_sizes_add_up():
-    assert distribute.share_sizes(16, (3.0, 1.0)) == [12, 4]
-    assert distribute.share_sizes(7, (3.0, 1.0)) == [6, 1]
-    assert distribute.share_sizes(1, (1.0, 1.0)) == [1, 0]
-    assert sum(distribute.share_sizes(1001, (5.0, 3.0, 2.0))) == 1001
+    assert _shares.share_sizes(16, (3.0, 1.0)) == [12, 4]
+    assert _shares.share_sizes(7, (3.0, 1.0)) == [6, 1]
+    assert _shares.share_sizes(1, (1.0, 1.0)) == [1, 0]
+    assert sum(_shares.share_sizes(1001, (5.0, 3.0, 2.0))) == 1001
 
 
 def test_auto_shares_follow_device_memory(mirrored_strategy, monkeypatch):
-    monkeypatch.setattr(distribute, "device_memory", lambda strategy: [3 * 2**30, 2**30])
+    monkeypatch.setattr(_shares, "device_memory", lambda strategy: [3 * 2**30, 2**30])
     with mirrored_strategy.scope():
         model = _build(AccumulatingModel, replica_shares="auto")
     assert model.replica_shares == (3 * 2.0**30, 2.0**30)
-    monkeypatch.setattr(distribute, "device_memory", lambda strategy: [None, None])
+    monkeypatch.setattr(_shares, "device_memory", lambda strategy: [None, None])
     with mirrored_strategy.scope(), pytest.warns(UserWarning, match="equal shares"):
         model = _build(AccumulatingModel, replica_shares="auto")
     assert model.replica_shares == (1.0, 1.0)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from keras_memopt import _keras as K
-from keras_memopt import distribute
+from keras_memopt import _rollback, distribute
 from keras_memopt._keras import keras
 
 _RANDOM_STATE = "random_state.npz"
@@ -18,7 +18,7 @@ def _random_variables(model):
     which are not among its weights, and the global one)."""
     weights = {id(w) for w in model.weights}
     own = [v for v in model.variables if id(v) not in weights]
-    return own + K.global_random_state()
+    return own + _rollback.global_random_state()
 
 
 class _BackupAndRestore(keras.callbacks.BackupAndRestore):

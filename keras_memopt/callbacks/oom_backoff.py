@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from keras_memopt import _oom
+import tensorflow as tf
+
+from keras_memopt import _io, _keras
 from keras_memopt._keras import keras
-from keras_memopt._validation import backoff_factor, positive_int
+from keras_memopt._oom_errors import OutOfMemory, Phase, allocation_note, parse_oom, report
+from keras_memopt._validation import backoff_factor, positive_int, shrink
 
 
 class OOMBackoff(keras.callbacks.Callback):
@@ -12,31 +15,42 @@ class OOMBackoff(keras.callbacks.Callback):
 
     Attach it to `fit` (and to `evaluate` or `predict`, which back off the
     same way) of a `keras_memopt.AccumulatingModel`. When a step runs out of
-    device memory, everything the failed step may have changed (weights,
-    BatchNormalization statistics, optimizer variables and iterations, metric
-    state, random seed state) is put back as it was, `micro_batch_size` is
+    device memory in a micro-batch's forward or backward pass, everything the
+    failed step changed (BatchNormalization statistics, metric state, random
+    seed state, counters) is put back as it was, `micro_batch_size` is
     multiplied by `factor`, and the *same* batch runs again. The effective
     batch (the batch the input pipeline delivers) never changes, so neither
-    does the result of training: no
-    sample is lost or seen twice and `optimizer.iterations` counts updates.
+    does the result of training: no sample is lost or seen twice and
+    `optimizer.iterations` counts updates. The smaller micro-batch stays after
+    `fit` returns.
+
+    It backs off only where a smaller micro-batch needs less memory. An
+    out-of-memory error in the optimizer update, or where the gradient sum
+    itself does not fit beside the model's state, stops training at once with
+    one `tf.errors.ResourceExhaustedError` whose message names the phase and
+    the bytes the step holds (weights, optimizer state, gradient sum, a
+    micro-batch's activations as measured, the device's total) and what can
+    help there; so does an error at `min_micro_batch_size`. Either way the
+    model, its optimizer and metrics are left as they were before the
+    failed step. Where the device's total is not known, one smaller
+    micro-batch is tried before a repeated failure of the same allocation
+    is reported that way.
+
+    What the rollback costs: a copy of the small state the micro-batch loop
+    changes (on the device), and, until the step has learned how much memory
+    its update needs (the first step, and the first at each new micro-batch
+    size), a copy of the weights and optimizer variables in host memory.
+    After that, each update first reserves what it needs, so that it either
+    runs whole or not at all. With a custom `train_step` the whole state is
+    kept on the device during each step, which costs its size again at the
+    update.
 
     The micro-batch size is run-time state of the step, so a retry traces
     nothing: it costs the failed attempt (with TensorFlow's own wait before it
-    reports the error) and the rollback.
-
-    When the micro-batch cannot shrink any further (it is already
-    `min_micro_batch_size`), training stops with one
-    `tf.errors.ResourceExhaustedError` whose message says what failed to
-    allocate, how much device memory was in use, and what to try; the model
-    is left as it was before the failed step.
-
-    Each backoff prints one line when `verbose` is on and is recorded in
-    `backoffs`; the micro-batch in use is added to the training `logs` as
-    `"micro_batch_size"`, so `History`, `CSVLogger` and `TensorBoard` record
-    it. While attached, the model takes a snapshot of its state before each
-    step: no copy is made up front (TensorFlow tensors are immutable), but the
-    state a step rewrites (weights and optimizer slots) is held twice until
-    the step returns.
+    reports the error) and the rollback. Each backoff prints one line when
+    `verbose` is on and is recorded in `backoffs`; the micro-batch in use is
+    added to the training `logs` as `"micro_batch_size"`, so `History`,
+    `CSVLogger` and `TensorBoard` record it.
 
     Args:
         factor: float in (0, 1), what the micro-batch is multiplied by at each
@@ -68,23 +82,108 @@ class OOMBackoff(keras.callbacks.Callback):
             model was compiled with `jit_compile=True`: an out-of-memory error
             inside XLA leaves TensorFlow's allocator corrupt, so it cannot be
             recovered from. With `jit_compile="auto"` resolving to XLA (as on
-            GPUs), OOMBackoff runs the micro-batches without XLA instead.
+            GPUs), OOMBackoff runs the micro-batches without XLA while it is
+            attached.
     """
 
     def __init__(
         self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1
     ):
         super().__init__()
-        factor = backoff_factor(factor)
-        positive_int("min_micro_batch_size", min_micro_batch_size)
-        self.factor = float(factor)
-        self.min_micro_batch_size = min_micro_batch_size
+        self.factor = backoff_factor(factor)
+        self.min_micro_batch_size = positive_int("min_micro_batch_size", min_micro_batch_size)
         self.verbose = verbose
         self.backoffs: list[dict] = []
-        self.policy = _oom.BackoffPolicy(self.factor, min_micro_batch_size, self._report)
         self._depth = 0
+        self._xla_turned_off = False
+        self._last_failure = None
 
-    # -- attaching the policy to the model -------------------------------------------
+    # -- the policy the step runner follows ------------------------------------------
+
+    def back_off(self, model, failure: OutOfMemory):
+        """Sets the micro-batch size to retry with after `failure`, or raises the report.
+
+        Called by the step runner after it put the failed step back.
+
+        Raises:
+            tf.errors.ResourceExhaustedError: where a smaller micro-batch
+                cannot help: naming the phase, the bytes and what to try.
+        """
+        refusal = self._refusal(failure)
+        if refusal is not None:
+            phase, note = refusal
+            message = report(
+                failure.error, phase, failure.memory, failure.micro_batch_size,
+                self.min_micro_batch_size, note,
+            )
+            raise tf.errors.ResourceExhaustedError(None, None, message) from failure.error
+        current = failure.micro_batch_size
+        # Per-replica sizes all shrink: the failed step does not say which
+        # replica's memory ran out.
+        shrunk = tuple(
+            size if size <= self.min_micro_batch_size
+            else shrink(size, self.factor, self.min_micro_batch_size)
+            for size in _sizes(current)
+        )
+        if model.accumulation_steps is not None:
+            model.accumulation_steps = None  # a size replaces the number of micro-batches
+        model.micro_batch_size = shrunk if isinstance(current, tuple) else shrunk[0]
+        self._last_failure = failure
+        event = dict(
+            kind=failure.kind,
+            phase=failure.phase.name.lower(),
+            allocation=allocation_note(failure.error),
+            failed_micro_batch_size=current,
+            micro_batch_size=model.micro_batch_size,
+            failed_step_seconds=failure.failed_step_seconds,
+            recovery_seconds=failure.recovery_seconds,
+        )
+        self.backoffs.append(event)
+        if self.verbose:
+            _io.print_msg(
+                f"OOMBackoff: out of memory in a {event['kind']} step at "
+                f"micro_batch_size={current}{event['allocation']}; retrying the same "
+                f"batch with micro_batch_size={event['micro_batch_size']}."
+            )
+
+    def _refusal(self, failure):
+        """`(phase, note)` to report instead of backing off, or None."""
+        if not failure.phase.micro_batch_helps:
+            return failure.phase, None
+        if failure.micro_batch_size is None or all(
+            size <= self.min_micro_batch_size for size in _sizes(failure.micro_batch_size)
+        ):
+            return failure.phase, None
+        memory = failure.memory
+        floor = [failure.memory_in_use, memory.gradient_sum, memory.largest_gradient]
+        if failure.kind == "train" and memory.device_total is not None and None not in floor:
+            if sum(floor) > memory.device_total:
+                return Phase.GRADIENT_SUM, (
+                    "Whatever the micro-batch size, a training step holds the gradient "
+                    "sum and one micro-batch's gradient of the largest variable beside "
+                    "what is in use when it starts, and they do not fit: "
+                    f"{sum(floor)} bytes are needed, {memory.device_total} can be had."
+                )
+        if memory.device_total is None and self._repeated(failure):
+            return failure.phase, (
+                "The micro-batch was halved and the same allocation, whose size does "
+                "not depend on the micro-batch, failed again: the micro-batch size is "
+                "not what fills the device."
+            )
+        return None
+
+    def _repeated(self, failure):
+        """Whether `failure` repeats the last one's allocation, which no micro-batch sized."""
+        last = self._last_failure
+        if last is None or last.phase is not failure.phase:
+            return False
+        now, before = parse_oom(str(failure.error)), parse_oom(str(last.error))
+        if now["shape"] is None or (now["op"], now["shape"]) != (before["op"], before["shape"]):
+            return False
+        sizes = {*_sizes(failure.micro_batch_size), *_sizes(last.micro_batch_size)}
+        return not sizes & set(now["shape"])
+
+    # -- attaching to the model --------------------------------------------------------
 
     def _attach(self):
         from keras_memopt.models import AccumulatingModel
@@ -100,10 +199,10 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
                 f"Received: a model of type {type(model).__name__}"
             )
-        if model.micro_batch_jit_compile:
-            self._leave_xla(model)
         if self._depth == 0:
-            model.oom_policy = self.policy
+            if model.micro_batch_jit_compile:
+                self._leave_xla(model)
+            model.oom_policy = self
         self._depth += 1
 
     def _leave_xla(self, model):
@@ -111,7 +210,8 @@ class OOMBackoff(keras.callbacks.Callback):
         # XLA-compiled micro-batch, the allocator's bookkeeping is corrupt and
         # the process aborts when a buffer is freed later ("Check failed:
         # h != kInvalidChunkHandle"). No rollback can make that safe.
-        if getattr(model, "_jit_compile_requested", None) != "auto":
+        requested = _keras.LEGACY or (model.get_compile_config() or {}).get("jit_compile")
+        if requested is True:
             raise ValueError(
                 "OOMBackoff cannot recover from an out-of-memory error inside "
                 "an XLA-compiled step: TensorFlow's allocator is left corrupt "
@@ -120,22 +220,29 @@ class OOMBackoff(keras.callbacks.Callback):
                 "XLA and drop OOMBackoff. Received: jit_compile=True"
             )
         model.micro_batch_jit_compile = False
+        self._xla_turned_off = True
         if self.verbose:
-            print(
-                "OOMBackoff: running micro-batches without XLA (jit_compile="
-                '"auto" chose XLA), since an out-of-memory error inside XLA '
+            _io.print_msg(
+                "OOMBackoff: running micro-batches without XLA while attached "
+                '(jit_compile="auto" chose XLA), since an out-of-memory error inside XLA '
                 "cannot be recovered from."
             )
 
     def _detach(self):
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self.model is not None:
-            if getattr(self.model, "oom_policy", None) is self.policy:
-                self.model.oom_policy = None
+        model = self.model
+        if self._depth or model is None:
+            return
+        if getattr(model, "oom_policy", None) is self:
+            model.oom_policy = None
+        if self._xla_turned_off:
+            model.micro_batch_jit_compile = True
+            self._xla_turned_off = False
 
     def on_train_begin(self, logs=None):
         self.backoffs = []
         self._depth = 0
+        self._last_failure = None
         self._attach()
 
     def on_train_end(self, logs=None):
@@ -153,14 +260,6 @@ class OOMBackoff(keras.callbacks.Callback):
     def on_predict_end(self, logs=None):
         self._detach()
 
-    # -- reporting (the policy calls it at each backoff) -----------------------------
 
-    def _report(self, event):
-        self.backoffs.append(event)
-        if self.verbose:
-            print(
-                f"OOMBackoff: out of memory in a {event['kind']} step at "
-                f"micro_batch_size={event['failed_micro_batch_size']}"
-                f"{event['allocation']}; retrying the same batch "
-                f"with micro_batch_size={event['micro_batch_size']}."
-            )
+def _sizes(size):
+    return size if isinstance(size, tuple) else (size,)

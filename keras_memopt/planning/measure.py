@@ -64,7 +64,7 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
     Bytes over what was in use before the copy was made, so the copy's
     parameters and optimizer slots count; None if it ran out of memory.
     """
-    from keras_memopt._oom import is_oom
+    from keras_memopt._oom_errors import is_oom
 
     x, y = synthetic_batch(source, batch)
     gc.collect()

@@ -1,0 +1,122 @@
+"""Running one step's functions: on one worker, or on several that must retry together.
+
+The step runner attempts a step in three calls: `run` (the part of the step
+that may fail on this worker alone), `agree` (every worker's status) and
+`finish` (the rest). On one worker (`OneWorker`) the whole step is `run`,
+and the other two do nothing. Under several workers (`SeveralWorkers`) a
+worker that retried alone would wait in collective ops the others never
+join (measured: every worker hangs), so `run` is the step's part without
+collective ops, all agree whether any must retry, and `finish` is the
+collective part.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import tensorflow as tf
+
+from keras_memopt import _keras, distribute
+
+
+class StepStatus(enum.IntEnum):
+    """How an attempt ended on one worker; across workers, the largest wins."""
+
+    OK = 0
+    OUT_OF_MEMORY = 1
+    FAILED = 2
+
+
+def _spec_key(value):
+    if value is None:
+        return None
+    if isinstance(value, tf.TypeSpec):
+        return value
+    return tf.type_spec_from_value(value)
+
+
+class _Traced:
+    """A step function, traced once per input signature before it runs.
+
+    Tracing creates the variables Keras makes lazily (optimizer slots,
+    metrics) before the runner snapshots the state.
+    """
+
+    def __init__(self, function):
+        self.function = function
+        self._concrete = {}
+
+    def __call__(self, data, spec=None):
+        if not hasattr(self.function, "get_concrete_function"):
+            return self.function(data)  # run eagerly
+        spec = _keras.strip_optionals(spec) if spec is not None else data
+        key = repr(tf.nest.map_structure(_spec_key, spec))
+        if key not in self._concrete:
+            self._concrete[key] = self.function.get_concrete_function(spec)
+        return self._concrete[key](data)
+
+
+class OneWorker:
+    """A step on one worker: one function, nothing to agree on."""
+
+    def __init__(self, model, kind, step):
+        self.run = _Traced(distribute.step_function(model, kind, step))
+
+    def agree(self, status: StepStatus) -> StepStatus:
+        return status
+
+    def finish(self, outputs):
+        return outputs
+
+
+class SeveralWorkers:
+    """A step under several workers in three calls, so that all retry an out-of-memory error.
+
+    1. `run(data)`: this worker's share of the step, no collective op (the
+       micro-batch loop, metric updates); an out-of-memory error here is
+       caught on this worker alone.
+    2. `agree(status)`: one all-reduce of every worker's `StepStatus`; every
+       worker learns whether any must retry or stop, and all act alike.
+    3. `finish(outputs)`: the collective part (the gradient all-reduce and the
+       update, or the logs' reduction), on what `run` returned.
+
+    Functions with collective ops are traced in the same order on every
+    worker (their ops are matched by keys handed out when traced): `agree`
+    first, then `finish`; `run` may be traced again on one worker alone.
+    """
+
+    def __init__(self, model, kind, local, finish):
+        strategy = model.distribute_strategy
+        reduction = distribute.reduction_of(model, kind)
+        finish = distribute.counted(
+            model, kind, distribute.on_replica_device(finish or (lambda outputs: outputs))
+        )
+        self.run = _Traced(
+            distribute.compiled(model, lambda data: strategy.run(local, args=(data,)))
+        )
+        self.finish = distribute.compiled(
+            model,
+            lambda outputs: distribute.reduce_per_replica(
+                strategy.run(finish, args=(outputs,)), strategy, reduction
+            ),
+        )
+        # Waits for the slowest worker's local pass, a real out-of-memory error
+        # (about 10 s on a CPU) included: no timeout, whatever the strategy's.
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=0.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.int32)])
+        def count(status):
+            """How many replicas ended with each status."""
+
+            def replica(value):
+                context = tf.distribute.get_replica_context()
+                one_hot = tf.one_hot(value, len(StepStatus))
+                return context.all_reduce("SUM", one_hot, options=options)
+
+            return strategy.experimental_local_results(strategy.run(replica, args=(status,)))[0]
+
+        self._count = count
+
+    def agree(self, status: StepStatus) -> StepStatus:
+        counts = self._count(tf.constant(int(status), tf.int32)).numpy()
+        return max(s for s in StepStatus if s == StepStatus.OK or counts[s] > 0)

@@ -1,0 +1,322 @@
+"""Out-of-memory errors: recognise them, say what failed, and report what to do.
+
+- `is_oom` recognises an out-of-memory error however TensorFlow reports it;
+  `parse_oom` and `describe_allocation` say what failed to allocate.
+- `Phase` names where in a step memory ran out, and `StepMemory` what the
+  step holds there; `report` turns them into the message a user reads.
+- `state_must_fit` reports an out-of-memory error before the first step.
+
+Deciding what to do about an error is `OOMBackoff`'s (and `keras-memopt
+run`'s); recovering from one is the step runner's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import re
+
+import tensorflow as tf
+
+from keras_memopt.memory import allocator_memory, format_bytes, parse_bytes
+
+# What TensorFlow's message says when an allocation failed but the error is
+# not a `ResourceExhaustedError`.
+_OOM_MESSAGE_MARKERS = (
+    "resourceexhausted",
+    "resource exhausted",
+    "resource_exhausted",
+    "oom when allocating",
+    "out of memory",
+    "dst tensor is not initialized",
+)
+_TENSOR = re.compile(
+    r"OOM when allocating tensor with shape\s*\[([^\]]*)\]\s*and type (\w+)"
+    r"(?: on (\S+))?(?: by allocator (\S+))?"
+)
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]|Detected at node '?([^\s']+)'?")
+_BYTES = re.compile(r"(\d+) bytes")
+_SIZE = re.compile(r"allocate ([\d.]+\s*[KMGT]iB)")  # XLA: "allocate 34.12MiB"
+_DEVICE = re.compile(r"device:([A-Z]+:\d+)")
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) means out of memory.
+
+    Besides `tf.errors.ResourceExhaustedError`, TensorFlow reports some
+    allocation failures otherwise:
+
+    - `InvalidArgumentError: Cannot parse tensor from proto` at a constant
+      node: the constant's memory could not be allocated when the step's
+      kernels were made (seen on CPU under a memory limit, for a constant the
+      graph optimiser folded);
+    - `UnknownError` or `InternalError` whose message names resource
+      exhaustion, or "Dst tensor is not initialized" (a copy to a device
+      whose destination could not be allocated; reported on GPUs).
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y)
+    except tf.errors.OpError as error:
+        if not is_oom(error):
+            raise
+    ```
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, tf.errors.ResourceExhaustedError):
+            return True
+        message = str(error).lower()
+        if isinstance(error, (tf.errors.UnknownError, tf.errors.InternalError)):
+            if any(marker in message for marker in _OOM_MESSAGE_MARKERS):
+                return True
+        if isinstance(error, tf.errors.InvalidArgumentError):
+            if "cannot parse tensor from proto" in message:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def parse_oom(message: str) -> dict:
+    """What failed to allocate, as far as the error message says.
+
+    Returns a dict with the keys `shape` (a tuple of ints, or None), `dtype`,
+    `op` (the graph node), `device` (such as `"GPU:0"`), `allocator` and
+    `bytes` (when the message gives a byte count instead of a shape); each is
+    None when the message does not say.
+
+    Example:
+
+    ```python
+    parse_oom("OOM when allocating tensor with shape[64,1024] and type float "
+              "on /job:localhost/replica:0/task:0/device:GPU:0 by allocator "
+              "GPU_0_bfc [[{{node dense/MatMul}}]]")
+    # {'shape': (64, 1024), 'dtype': 'float', 'op': 'dense/MatMul',
+    #  'device': 'GPU:0', 'allocator': 'GPU_0_bfc', 'bytes': None}
+    ```
+    """
+    info = dict(shape=None, dtype=None, op=None, device=None, allocator=None, bytes=None)
+    match = _TENSOR.search(message)
+    if match:
+        dims = [d.strip() for d in match.group(1).split(",") if d.strip()]
+        try:
+            info["shape"] = tuple(int(d) for d in dims)
+        except ValueError:
+            info["shape"] = tuple(dims)
+        info["dtype"] = match.group(2)
+        info["allocator"] = match.group(4)
+        if match.group(3):
+            device = _DEVICE.search(match.group(3))
+            info["device"] = device.group(1) if device else match.group(3)
+    match = _NODE.search(message)
+    if match:
+        info["op"] = match.group(1) or match.group(2)
+    match = _BYTES.search(message)
+    if match:
+        info["bytes"] = int(match.group(1))
+    elif _SIZE.search(message):
+        info["bytes"] = parse_bytes(_SIZE.search(message).group(1))
+    if info["device"] is None:
+        device = _DEVICE.search(message)
+        info["device"] = device.group(1) if device else None
+    return info
+
+
+def describe_allocation(info: dict) -> str:
+    """`parse_oom`'s result in words ("a tensor of shape [64, 1024] and type float ...")."""
+    if info["shape"] is not None:
+        what = "a tensor of shape [" + ", ".join(str(d) for d in info["shape"]) + "]"
+        if info["dtype"]:
+            what += f" and type {info['dtype']}"
+    elif info["bytes"] is not None:
+        what = f"{format_bytes(info['bytes'])} ({info['bytes']} bytes)"
+    else:
+        what = "memory (the error message does not say how much)"
+    if info["op"]:
+        what += f" in op {info['op']}"
+    if info["device"]:
+        what += f" on {info['device']}"
+    return what
+
+
+def allocation_note(error: BaseException) -> str:
+    """`" (what failed to allocate)"`, or `""` when the message does not say."""
+    info = parse_oom(str(error))
+    return f" ({describe_allocation(info)})" if any(info.values()) else ""
+
+
+class Phase(enum.Enum):
+    """Where in a step memory ran out, and whether a smaller micro-batch can help."""
+
+    STATE = "before the first step, while making the optimizer's and metrics' variables"
+    MICRO_BATCH = "a micro-batch's forward and backward pass"
+    GRADIENT_SUM = "the sum of the micro-batches' gradients"
+    UPDATE = "the optimizer update"
+    EVALUATION = "a micro-batch's evaluation or prediction"
+
+    @property
+    def micro_batch_helps(self) -> bool:
+        """Whether a smaller micro-batch needs less memory in this phase."""
+        return self in (Phase.MICRO_BATCH, Phase.EVALUATION)
+
+
+@dataclasses.dataclass
+class StepMemory:
+    """What a training step holds on the device, in bytes (None: not known).
+
+    Attributes:
+        weights: the model's variables (trainable and not).
+        optimizer_state: the optimizer's variables (slots, iterations, ...).
+        gradient_sum: the summed gradients: one float32 copy of the trainable weights.
+        largest_gradient: the gradient of the largest variable, what a
+            micro-batch holds beside the sum at least.
+        update: what the optimizer update allocates, measured at
+            `micro_batch_size`.
+        step_peak: the failed attempt's peak above what was in use when it
+            started (activations, gradients in flight, the gradient sum).
+        micro_batch_size: the micro-batch size of the failed attempt.
+        device_total: the memory the device can hand out.
+    """
+
+    weights: int | None = None
+    optimizer_state: int | None = None
+    gradient_sum: int | None = None
+    largest_gradient: int | None = None
+    update: int | None = None
+    step_peak: int | None = None
+    micro_batch_size: int | tuple | None = None
+    device_total: int | None = None
+
+    def describe(self) -> str:
+        def size(value):
+            return "unknown" if value is None else format_bytes(value)
+
+        if self.update is None:
+            update = "not measured yet (no update has run at this micro-batch size)"
+        else:
+            update = f"{size(self.update)} at micro_batch_size={self.micro_batch_size}"
+        return (
+            f"weights {size(self.weights)}, optimizer state {size(self.optimizer_state)}, "
+            f"gradient sum {size(self.gradient_sum)} (its largest variable "
+            f"{size(self.largest_gradient)}); the optimizer update's own memory: {update}; "
+            f"the largest micro-batch's step peak above its start: "
+            f"{size(self.step_peak)}; the device can hand out {size(self.device_total)}"
+        )
+
+
+@dataclasses.dataclass
+class OutOfMemory:
+    """An out-of-memory error that ended an attempt at a step, once it was put back.
+
+    What the step runner hands to the policy (`OOMBackoff.back_off`).
+    """
+
+    kind: str
+    phase: Phase
+    error: BaseException
+    micro_batch_size: int | tuple | None
+    memory_in_use: int | None
+    memory: StepMemory
+    failed_step_seconds: float
+    recovery_seconds: float
+
+
+_MICRO_BATCH_ADVICE = [
+    "recompute activations in the backward pass instead of storing them "
+    "(rematerialisation, keras_memopt's `remat` option);",
+    "mixed precision: `keras.mixed_precision.set_global_policy(\"mixed_float16\")` "
+    "halves activation memory;",
+    "a smaller model (fewer or narrower layers) or smaller inputs;",
+    "on a GPU, if memory is fragmented (much is free but no large block), start "
+    "Python with `TF_GPU_ALLOCATOR=cuda_malloc_async`.",
+]
+_STATE_ADVICE = [
+    "an optimizer that keeps less state per weight: plain SGD keeps none, SGD with "
+    "momentum and RMSprop one slot per weight, Adam and AdamW two; Adafactor keeps "
+    "factored (row and column) statistics;",
+    "weights and optimizer state in 16 bits (a `bfloat16` dtype policy), which "
+    "halves them;",
+    "a smaller model (fewer or narrower layers), or more device memory.",
+]
+
+
+def report(error: BaseException, phase: Phase, memory: StepMemory | None = None,
+           micro_batch_size=None, minimum=None, note: str | None = None) -> str:
+    """The message of the error raised when an out-of-memory error ends a step for good.
+
+    Args:
+        error: the out-of-memory error.
+        phase: where in the step it happened.
+        memory: what the step holds, when known.
+        micro_batch_size, minimum: the micro-batch in use and the smallest
+            one allowed, for an error at the smallest micro-batch.
+        note: one more sentence on why nothing was retried.
+    """
+    if phase is Phase.STATE:
+        headline = (
+            f"Out of memory {phase.value}: the model's state does not fit on the "
+            "device, whatever the micro-batch size."
+        )
+    elif phase.micro_batch_helps:
+        headline = (
+            f"Out of memory in {phase.value} at the smallest micro-batch allowed "
+            f"(micro_batch_size={micro_batch_size}, min_micro_batch_size={minimum}); "
+            "the model, optimizer and metrics are as they were before the failed step."
+        )
+    else:
+        headline = (
+            f"Out of memory in {phase.value} (micro_batch_size={micro_batch_size}): "
+            "a smaller micro-batch needs no less memory there, so none was tried; "
+            "the model, optimizer and metrics are as they were before the failed step."
+        )
+    if note:
+        headline += f" {note}"
+    advice = _MICRO_BATCH_ADVICE if phase.micro_batch_helps else _STATE_ADVICE
+    info = parse_oom(str(error))
+    lines = [headline, f"  Failed to allocate: {describe_allocation(info)}."]
+    lines.append(f"  Device memory: {_device_line(info['device'])}.")
+    if memory is not None:
+        lines.append(f"  The step holds: {memory.describe()}.")
+    lines.append("  What to try:")
+    lines.extend(f"  - {line}" for line in advice)
+    lines.append(f"Original error: {type(error).__name__}: {_first_line(error)}")
+    return "\n".join(lines)
+
+
+def _device_line(device):
+    memory = allocator_memory(device)
+    if memory is None:
+        return "not available for this device"
+    return (
+        f"{format_bytes(memory['current'])} in use, peak {format_bytes(memory['peak'])} "
+        f"on {memory['device']}"
+    )
+
+
+def _first_line(error):
+    for line in str(error).splitlines():
+        if "OOM" in line or "memory" in line.lower() or "Dst tensor" in line:
+            return line.strip()
+    lines = str(error).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+@contextlib.contextmanager
+def state_must_fit():
+    """Raises a readable report for an out-of-memory error before the first step.
+
+    What runs there makes the optimizer's variables and the metrics'; when
+    they do not fit, no micro-batch size can help, and `OOMBackoff` is not
+    asked to.
+    """
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if not is_oom(error):
+            raise
+        raise tf.errors.ResourceExhaustedError(None, None, report(error, Phase.STATE)) \
+            from error

@@ -1,0 +1,168 @@
+"""Recomputation in the backward pass: the custom gradient behind every recomputed segment.
+
+`recompute(call, layer, args)` calls `call` and keeps only its tensor
+arguments for the backward pass, which runs the call again (replaying its
+randomness, discarding its state updates) under a tape and differentiates
+it. `on_device(call, args, device)` runs a call and its backward pass on one
+device, recomputing nothing. `keras_memopt.Remat` and the segments of
+`keras_memopt._segments` are built on these.
+
+Why not `keras.RematScope` / `keras.remat`: on the TensorFlow backend they
+fail inside graph-mode `fit()` when a layer takes keyword arguments such as
+`training` (TensorFlow's `custom_gradient` accepts only positional tensors
+outside eager mode), their recomputation draws new dropout masks and applies
+BatchNormalization's moving-statistics update a second time. Here the call is
+a function of positional tensors only (keyword arguments are bound before
+the gradient is defined), the recomputation replays the forward pass's random
+seeds (google-research/bigbird's seeded stateless dropout is the same idea)
+and discards state updates, so gradients equal those without recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from keras_memopt import _replay
+
+try:  # The forward pass of a segment must not be recorded by an outer tape.
+    from tensorflow.python.eager.record import stop_recording as _stop_recording
+except ImportError:  # pragma: no cover - a TensorFlow without it
+    _stop_recording = contextlib.nullcontext
+
+
+def _differentiable(tensor):
+    return tensor.dtype.is_floating or tensor.dtype.is_complex
+
+
+def _after(tensors, upstream):
+    """`tensors`, made to depend on the incoming gradient.
+
+    Without the dependency TensorFlow may run the recomputation as soon as the
+    segment's inputs exist, during the forward pass, which would keep its
+    activations alive exactly as if nothing were recomputed.
+    """
+    probe = next((g for g in upstream if g is not None and _differentiable(g)), None)
+    if probe is None:
+        return [tf.identity(t) for t in tensors]
+    element = tf.cast(tf.reduce_max(tf.reshape(tf.math.real(probe), [-1])[:1]), tf.bool)
+    zero = tf.where(tf.equal(element, element), 0.0, float("nan"))
+    return [
+        t + tf.cast(zero, t.dtype) if _differentiable(t) else tf.identity(t) for t in tensors
+    ]
+
+
+def on(device):
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def recompute(call, layer, args, kwargs=None, device=None):
+    """Calls `call(*args, **kwargs)`; its backward pass recomputes the call.
+
+    Only the tensors in `args` and `kwargs` are kept for the backward pass;
+    other values (`training=True`, masks given as Python values) are bound
+    before the gradient is defined. `layer` is the layer (or model) that
+    `call` runs: its random seeds are replayed and its state updates discarded
+    during the recomputation. With `device`, the call, its recomputation and
+    its backward pass run there.
+    """
+    return _custom_backward(call, layer, args, kwargs or {}, device, recomputed=True)
+
+
+def on_device(call, args, device):
+    """Calls `call(*args)` on `device`, and runs its backward pass there too.
+
+    A gradient tape places the backward pass's ops on no device (they would
+    run on the default one); here the forward pass is recorded on its own tape,
+    whose gradient is taken under `tf.device(device)`. Nothing is recomputed.
+    """
+    return _custom_backward(call, None, args, {}, device, recomputed=False)
+
+
+def _custom_backward(call, layer, args, kwargs, device, recomputed):
+    structure = (args, kwargs)
+    leaves = tf.nest.flatten(structure)
+    positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+    if not positions:
+        with on(device):
+            return call(*args, **kwargs)
+
+    def bind(tensors):
+        bound = list(leaves)
+        for position, tensor in zip(positions, tensors, strict=True):
+            bound[position] = tensor
+        return tf.nest.pack_sequence_as(structure, bound)
+
+    output_structure = []
+
+    @tf.custom_gradient
+    def checkpointed(*inputs):
+        if recomputed:
+            state = _replay.random_state(layer)
+            with on(device), _stop_recording(), _replay.Replay(layer, state, recompute=False):
+                call_args, call_kwargs = bind(inputs)
+                outputs = call(*call_args, **call_kwargs)
+        else:
+            with on(device), tf.GradientTape() as forward_tape:
+                forward_tape.watch([t for t in inputs if _differentiable(t)])
+                call_args, call_kwargs = bind(inputs)
+                outputs = call(*call_args, **call_kwargs)
+        output_structure.append(outputs)
+        flat_outputs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(outputs)]
+
+        def gradient(*upstream, variables=None):
+            variables = list(variables or ())
+            with on(device):
+                if recomputed:
+                    replayed = _after(inputs, upstream)
+                    sources = [t for t in replayed if _differentiable(t)]
+                    with tf.GradientTape(watch_accessed_variables=False) as tape:
+                        tape.watch(sources)
+                        tape.watch(variables)
+                        with _replay.Replay(layer, state, recompute=True):
+                            call_args, call_kwargs = bind(replayed)
+                            results = tf.nest.flatten(call(*call_args, **call_kwargs))
+                else:
+                    replayed, tape, results = inputs, forward_tape, flat_outputs
+                    sources = [t for t in inputs if _differentiable(t)]
+                return _gradients(tape, results, upstream, replayed, sources, variables)
+
+        return flat_outputs, gradient
+
+    flat = checkpointed(*[leaves[i] for i in positions])
+    return tf.nest.pack_sequence_as(output_structure[-1], tf.nest.flatten(flat))
+
+
+def _gradients(tape, outputs, upstream, inputs, sources, variables):
+    """What a custom gradient returns: the gradients of `inputs` (and `variables`)."""
+    targets, target_gradients = [], []
+    for output, grad in zip(outputs, upstream, strict=True):
+        if grad is not None and _differentiable(output):
+            targets.append(output)
+            target_gradients.append(grad)
+    gradients = tape.gradient(
+        targets,
+        sources + variables,
+        output_gradients=target_gradients,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    source_gradients = iter(gradients[: len(sources)])
+    input_gradients = [next(source_gradients) if _differentiable(t) else None for t in inputs]
+    if variables:
+        return input_gradients, gradients[len(sources) :]
+    return input_gradients
+
+
+def check_no_activity_regularizer(layers, where):
+    for layer in layers:
+        for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+            if getattr(sublayer, "activity_regularizer", None) is not None:
+                raise ValueError(
+                    f"{where} cannot recompute layer {sublayer.name!r}: the loss "
+                    "its activity regulariser adds would get no gradient through "
+                    "the recomputed segment. Leave that layer out of the "
+                    "segment or move the regularisation into the model's loss. "
+                    f"Received: layer {sublayer.name!r} with "
+                    f"activity_regularizer={sublayer.activity_regularizer!r}"
+                )

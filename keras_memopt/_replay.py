@@ -1,0 +1,102 @@
+"""Replaying a layer's randomness: the same dropout masks in a recomputation.
+
+A recomputed segment (`keras_memopt.remat`) runs its layers twice, in the
+forward and in the backward pass; both must draw the same random numbers and
+the second must not update state (BatchNormalization's moving statistics)
+again. `random_state(layer)` pins the randomness of a call, and
+`Replay(layer, state, recompute)` runs a call with it. The two Keras lines
+draw random numbers differently, so both live here.
+"""
+
+import tensorflow as tf
+
+from keras_memopt import _keras
+
+
+def _random_generators(layer):
+    """tf_keras `RandomGenerator`s of `layer` and the layers inside it."""
+    generators = []
+    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+        generator = getattr(sublayer, "_random_generator", None)
+        if generator is not None and hasattr(generator, "_rng_type"):
+            generators.append(generator)
+    return generators
+
+
+def _seed_variables(layer):
+    """Keras 3 random seed states of `layer`: its variables that are not weights."""
+    weights = {id(w) for w in layer.weights}
+    return [v for v in layer.variables if id(v) not in weights]
+
+
+def random_state(layer):
+    """Tensors that pin down the randomness of the next call of `layer`.
+
+    Keras 3 layers draw random numbers with stateless ops seeded from seed
+    generator variables: their values before the call are the state. tf_keras
+    layers default to stateful random ops, which cannot be replayed, so a seed
+    per random generator is drawn here and `Replay` makes the generators use
+    it with stateless ops.
+    """
+    if _keras.LEGACY:
+        count = len(_random_generators(layer))
+        if not count:
+            return []
+        return [tf.random.uniform([count], 1, 2**31 - 1, dtype=tf.int32)]
+    return [tf.identity(v.value) for v in _seed_variables(layer)]
+
+
+class _StateRestorer:
+    """Undoes a recomputation's state updates (tf_keras has no stateless scope)."""
+
+    def __init__(self, layer):
+        self.variables = list(layer.non_trainable_weights)
+        self.values = [tf.identity(v) for v in self.variables]
+
+    def restore(self):
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+
+
+class Replay:
+    """Runs `layer` with the randomness pinned by `state`.
+
+    With `recompute=True`, state updates made inside (BatchNormalization's
+    moving statistics, seed generators) are discarded, so a recomputation
+    neither moves them twice nor draws different random numbers.
+    """
+
+    def __init__(self, layer, state, recompute):
+        self.layer, self.state, self.recompute = layer, state, recompute
+
+    def __enter__(self):
+        if not _keras.LEGACY:
+            self._scope = None
+            if self.recompute:
+                mapping = list(zip(_seed_variables(self.layer), self.state, strict=True))
+                self._scope = _keras.keras.StatelessScope(state_mapping=mapping)
+                self._scope.__enter__()
+            return self
+        self._restorer = _StateRestorer(self.layer) if self.recompute else None
+        self._saved = []
+        generators = _random_generators(self.layer)
+        for index, generator in enumerate(generators):
+            if generator._rng_type == generator.RNG_STATELESS:
+                continue  # Seeded per layer, not per call: already replays.
+            self._saved.append((generator, dict(generator.__dict__)))
+            generator._rng_type = generator.RNG_STATELESS
+            generator._seed = self.state[0][index]
+            generator._built = True
+        return self
+
+    def __exit__(self, *exc_info):
+        if not _keras.LEGACY:
+            if self._scope is not None:
+                self._scope.__exit__(*exc_info)
+            return False
+        for generator, attributes in self._saved:
+            for name in ("_rng_type", "_seed", "_built"):
+                setattr(generator, name, attributes.get(name))
+        if self._restorer is not None and exc_info[0] is None:
+            self._restorer.restore()
+        return False

@@ -1,0 +1,144 @@
+"""Putting a failed step back: the state it may have changed, and copies to restore it from.
+
+A training step of `AccumulatingModel` changes its state in two phases:
+
+1. the micro-batch loop: BatchNormalization statistics, random seed states,
+   metrics, step and pruning counters (`loop_variables`): small;
+2. the optimizer update, which starts only once every micro-batch has run:
+   the weights and the optimizer's variables (`update_variables`): as large
+   as the model, twice or three times over.
+
+An out-of-memory error in the loop changes nothing of the second kind, so
+the copy a retry needs is of the first kind only (`Snapshot`, on the
+device). Keeping the second kind on the device would cost their size again
+at the update (a variable rewritten while a tensor still holds its old
+buffer is copied first); where they must be kept, they are copied to host
+memory (`HostCopy`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from keras_memopt import _keras, distribute
+
+
+def _unique(groups):
+    seen, variables = set(), []
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def global_random_state() -> list:
+    """Keras 3's global seed generator's state (random ops called without a seed).
+
+    Keras offers no public handle on it, so it is read from Keras's global
+    state, where `keras.utils.set_random_seed` resets it; tf_keras has none.
+    """
+    if _keras.LEGACY:
+        return []
+    state = getattr(getattr(_keras.keras, "src", None), "backend", None)
+    state = getattr(getattr(state, "common", None), "global_state", None)
+    generator = state.get_global_attribute("global_seed_generator") if state else None
+    return [generator.state] if generator is not None else []
+
+
+def step_counters(model) -> list:
+    """tf_keras's own step counters, which its step functions advance."""
+    if not _keras.LEGACY:
+        return []
+    names = ("_train_counter", "_test_counter", "_predict_counter")
+    return [c for c in (getattr(model, n, None) for n in names) if c is not None]
+
+
+def update_variables(model) -> list:
+    """What an optimizer update changes: the trainable weights and the optimizer's variables."""
+    optimizer = getattr(model, "optimizer", None)
+    groups = [model.trainable_variables]
+    if optimizer is not None:
+        groups.append(_keras.optimizer_variables(optimizer))
+    return _unique(groups)
+
+
+def state_variables(model) -> list:
+    """Every variable a train, test or predict step of `model` may change.
+
+    Weights (trainable and not: BatchNormalization statistics, Keras 3 seed
+    generator states), optimizer variables (iterations, slots, loss scale),
+    metric variables, tf_keras's step counters and Keras 3's global seed
+    generator; each once.
+    """
+    return _unique([
+        model.variables,
+        update_variables(model),
+        [v for metric in model.metrics for v in metric.variables],
+        step_counters(model),
+        global_random_state(),
+    ])
+
+
+def loop_variables(model) -> list:
+    """What the micro-batch loop may change: `state_variables` but the update's."""
+    updated = {id(v) for v in update_variables(model)}
+    return [v for v in state_variables(model) if id(v) not in updated]
+
+
+class Snapshot:
+    """Takes and puts back the values of a list of variables, on the device.
+
+    Taking costs no copy: TensorFlow tensors are immutable, so the values
+    read stay valid while the step updates the variables. A variable
+    rewritten while a snapshot holds it is copied by the update, so a
+    snapshot is for variables that are small or left unchanged.
+
+    Putting back assigns each variable eagerly: it runs only after a failed
+    step, where tracing a function of every assignment would cost more than
+    the assignments themselves (about a second on a small MLP).
+
+    Args:
+        variables: a function returning the variables (called at each `take`,
+            as a model makes some lazily), each a plain or distributed one.
+        strategy: the model's distribution strategy.
+    """
+
+    def __init__(self, variables, strategy):
+        self._list = variables
+        self._strategy = strategy
+        self._variables = None
+        self._read = None
+
+    def take(self):
+        """The current values, to give back to `restore`."""
+        variables = distribute.local_variables(self._list(), self._strategy)
+        if self._variables is None or [id(v) for v in variables] != [
+            id(v) for v in self._variables
+        ]:
+            self._variables = variables
+            self._read = tf.function(lambda: [tf.identity(v) for v in variables])
+        return self._variables, self._read()
+
+    @staticmethod
+    def restore(taken):
+        for variable, value in zip(*taken, strict=True):
+            variable.assign(value)
+
+
+class HostCopy:
+    """The values of variables copied to host memory (NumPy arrays), and put back.
+
+    Costs host memory and one device-to-host copy of the variables; none on
+    the device.
+    """
+
+    def __init__(self, variables, strategy):
+        self.variables = distribute.local_variables(variables, strategy)
+        self.values = [np.array(v, copy=True) for v in self.variables]
+
+    def restore(self):
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)

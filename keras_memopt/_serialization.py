@@ -1,0 +1,97 @@
+"""Saving, loading, cloning and pickling an `AccumulatingModel`, its setting included.
+
+`SerializationMixin` adds the micro-batch setting, `remat`, replica shares
+and placement to the model's config (and to its compile config, which is
+what Keras 3's `clone_model` passes on), and reads them back.
+`functional_class` gives the functional form of an `AccumulatingModel`
+class, the one that is saved and revived.
+"""
+
+from __future__ import annotations
+
+from keras_memopt import _keras, _shares, placement
+
+SETTING_ARGS = (
+    "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts"
+)
+
+_FUNCTIONAL_CLASSES: dict[type, type] = {}
+
+
+def functional_class(cls):
+    """`cls` with Keras's functional model class mixed in.
+
+    Keras turns a `Model` subclass built from inputs and outputs into a
+    functional model by rewriting the class's bases in place, which would
+    break every later subclassed use of `AccumulatingModel`. A dedicated
+    subclass per class keeps `AccumulatingModel` itself untouched.
+    """
+    if cls not in _FUNCTIONAL_CLASSES:
+        functional = type(cls.__name__, (cls, _keras.Functional), {"__module__": cls.__module__})
+        _FUNCTIONAL_CLASSES[cls] = functional
+    return _FUNCTIONAL_CLASSES[cls]
+
+
+class SerializationMixin:
+    """The config and pickling of `AccumulatingModel` (a mixin: see that class)."""
+
+    def _setting_config(self):
+        shares = self.replica_shares
+        return dict(
+            micro_batch_size=self.micro_batch_size,
+            accumulation_steps=self.accumulation_steps,
+            remat=self.remat,
+            replica_shares=list(shares) if shares is not None else None,
+            **placement.config(self._placement),
+        )
+
+    def _apply_setting(self, setting):
+        """Sets what `_setting_config` returned (from a config, or a clone's compile config)."""
+        setting = dict(setting)
+        remat, shares = setting.pop("remat", None), setting.pop("replica_shares", None)
+        devices, device_cuts = setting.pop("devices", None), setting.pop("device_cuts", None)
+        self._setting.set(**setting)
+        self._set_placement(devices, device_cuts)
+        self._plan_segments(remat)
+        self._replica_shares = _shares.resolve_shares(shares, self.distribute_strategy)
+
+    def get_config(self):
+        return {**_keras.functional_config(self, super().get_config()), **self._setting_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        setting = {name: config.pop(name, None) for name in SETTING_ARGS}
+        model = super().from_config(config, custom_objects=custom_objects)
+        model._apply_setting(setting)
+        return model
+
+    def get_compile_config(self):
+        # Keras 3's `clone_model` rebuilds a functional model from its inputs
+        # and outputs and passes on only the compile config: the micro-batch
+        # setting travels with it.
+        config = super().get_compile_config()
+        if not config:  # not compiled
+            return config
+        return {**config, "micro_batch": self._setting_config()}
+
+    def compile_from_config(self, config):
+        # Keras skips an overridden `compile` when loading a model; this one
+        # only adds checks, so a loaded model comes back compiled.
+        config = dict(config)
+        setting = config.pop("micro_batch", None)
+        if setting:
+            self._apply_setting(setting)
+        self.compile(**_keras.keras.saving.deserialize_keras_object(config))
+        if self.built and self.optimizer is not None:
+            self.optimizer.build(self.trainable_variables)
+
+    def __reduce__(self):
+        # Keras 3 pickles a model as `type(model)._unpickle_model`, found by the
+        # class's name: the functional form is named after the class it
+        # extends, so it is pickled as that class (the method ignores `cls`).
+        function, args = super().__reduce__()
+        owner = getattr(function, "__self__", None)
+        if owner in _FUNCTIONAL_CLASSES.values():
+            function = getattr(owner.__bases__[0], function.__name__)
+        return function, args

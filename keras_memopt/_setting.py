@@ -1,0 +1,95 @@
+"""The micro-batch setting of an `AccumulatingModel`: one source of truth, read at run time.
+
+`MicroBatchSetting` holds what the user set (`micro_batch_size` or
+`accumulation_steps`, validated once, here) and mirrors it in variables that
+the traced step reads, so that changing it (by hand, from a callback, by
+`OOMBackoff`) retraces nothing. The model's properties delegate to it.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_memopt._validation import micro_batch_split
+
+
+class MicroBatchSetting:
+    """Samples per micro-batch, or micro-batches per batch, for `replicas` replicas.
+
+    Args:
+        replicas: int, the replicas of the model's distribution strategy.
+        micro_batch_size: int, a tuple of ints (one per replica), `"auto"`
+            (resolved at the first step), or None.
+        accumulation_steps: int or None; at most one of the two is set.
+
+    Raises:
+        ValueError: for a setting `micro_batch_split` refuses, or a tuple of
+            sizes that does not give one per replica.
+    """
+
+    def __init__(self, replicas: int, micro_batch_size=None, accumulation_steps=None):
+        self.replicas = replicas
+        self.micro_batch_size, self.accumulation_steps = self._validated(
+            micro_batch_size, accumulation_steps
+        )
+        with tf.init_scope():
+            self._sizes = tf.Variable(
+                tf.zeros([replicas], tf.int32), trainable=False, name="micro_batch_sizes"
+            )
+            self._steps = tf.Variable(1, trainable=False, name="accumulation_steps")
+        self._assign()
+
+    def _validated(self, micro_batch_size, accumulation_steps):
+        size, steps = micro_batch_split(micro_batch_size, accumulation_steps)
+        if isinstance(size, tuple) and len(size) != self.replicas:
+            raise ValueError(
+                "`micro_batch_size` as a list gives one size per replica, and the "
+                f"model's strategy has {self.replicas} replica(s). Received: "
+                f"micro_batch_size={list(size)!r}"
+            )
+        return size, steps
+
+    def set(self, micro_batch_size=None, accumulation_steps=None):
+        """Replaces the setting (validated first; nothing changes on an error)."""
+        self.micro_batch_size, self.accumulation_steps = self._validated(
+            micro_batch_size, accumulation_steps
+        )
+        self._assign()
+
+    def _assign(self):
+        size = self.micro_batch_size
+        if isinstance(size, tuple):
+            sizes = list(size)
+        else:
+            sizes = [size if isinstance(size, int) else 0] * self.replicas
+        with tf.init_scope():
+            self._sizes.assign(sizes)
+            self._steps.assign(self.accumulation_steps or 1)
+
+    def in_use(self, batch_size: int | None):
+        """The micro-batch size a step on `batch_size` samples runs with (None: unknown).
+
+        A tuple, one per replica, when the sizes were given per replica.
+        """
+        size = self.micro_batch_size
+        if isinstance(size, tuple):
+            return size
+        if isinstance(size, int):
+            return min(size, batch_size or size)
+        if batch_size is None:
+            return None
+        return max(1, -(-batch_size // (self.accumulation_steps or 1)))
+
+    def splits(self) -> bool:
+        """Whether the setting may split a batch into several micro-batches."""
+        return self.micro_batch_size is not None or (self.accumulation_steps or 1) > 1
+
+    def size_tensor(self, batch_size):
+        """The micro-batch size, in the traced step, for a batch of `batch_size` samples."""
+        replica = tf.distribute.get_replica_context()
+        index = 0 if replica is None else replica.replica_id_in_sync_group
+        index = tf.minimum(tf.cast(index, tf.int32), self.replicas - 1)
+        size = tf.cast(self._sizes[index], batch_size.dtype)
+        steps = tf.cast(self._steps, batch_size.dtype)
+        by_steps = tf.maximum((batch_size + steps - 1) // steps, 1)
+        return tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)

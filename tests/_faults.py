@@ -1,0 +1,67 @@
+"""Layers that run out of memory on purpose, as TensorFlow's allocator reports it.
+
+For unit tests of the out-of-memory control flow: a real out-of-memory error
+takes TensorFlow's allocator about 10 s to report, so these raise the same
+error at once, from inside the step, when the layer's own batch says so.
+TensorFlow wraps an error raised in `tf.py_function` as an `UnknownError`
+naming `ResourceExhaustedError`, one of the forms `is_oom` recognises.
+The real allocator is tested in subprocesses (tests marked slow).
+"""
+
+import tensorflow as tf
+
+from keras_memopt._keras import keras
+
+MESSAGE = (
+    "OOM when allocating tensor with shape[{rows},16] and type float on "
+    "/job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu"
+)
+
+
+class OutOfMemoryAbove(keras.layers.Layer):
+    """Passes its input through; raises out of memory for a batch of more than `limit` rows.
+
+    `limit` (None: never) is read when the layer runs, so changing it needs
+    no new trace; `raised` counts the errors.
+    """
+
+    def __init__(self, limit=None, **kwargs):
+        super().__init__(**kwargs)
+        self.limit = limit
+        self.raised = 0
+
+    def _check(self, rows):
+        rows = int(rows)
+        if self.limit is not None and rows > self.limit:
+            self.raised += 1
+            raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=rows))
+        return rows
+
+    def call(self, inputs):
+        rows = tf.py_function(self._check, [tf.shape(inputs)[0]], tf.int32)
+        with tf.control_dependencies([rows]):
+            return tf.identity(inputs)
+
+
+class OutOfMemoryAtSample(keras.layers.Layer):
+    """Raises out of memory for a batch holding a sample index of at least `first`.
+
+    The index is the input's last column; the layer passes the other columns
+    on. With micro-batches, the ones before that sample run (and change the
+    model's state) before the failing one.
+    """
+
+    def __init__(self, first=None, **kwargs):
+        super().__init__(**kwargs)
+        self.first = first
+
+    def _check(self, largest, rows):
+        if self.first is not None and int(largest) >= self.first:
+            raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=int(rows)))
+        return rows
+
+    def call(self, inputs):
+        largest = tf.cast(tf.reduce_max(inputs[:, -1]), tf.int32)
+        rows = tf.py_function(self._check, [largest, tf.shape(inputs)[0]], tf.int32)
+        with tf.control_dependencies([rows]):
+            return tf.identity(inputs[:, :-1])
