@@ -127,13 +127,6 @@ class StepRunner:
     def _prepare(self, data):
         """What the first step needs, made from its own batch (no other is taken)."""
         self._prepared = True
-        if self.kind == "train":
-            cap = supervise.max_micro_batch_size()
-            size = self._in_use(data)
-            if cap is not None and size is not None and max(_sizes(size)) > cap:
-                self.model.micro_batch_size = (
-                    tuple(min(s, cap) for s in size) if isinstance(size, tuple) else cap
-                )
         with _oom_errors.state_must_fit():
             self.model._prepare_step(self.kind, data)
 

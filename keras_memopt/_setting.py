@@ -4,12 +4,17 @@
 `accumulation_steps`, validated once, here) and mirrors it in variables that
 the traced step reads, so that changing it (by hand, from a callback, by
 `OOMBackoff`) retraces nothing. The model's properties delegate to it.
+
+A process started by `keras-memopt run` after a crash also has a cap on the
+micro-batch size (`keras_memopt.supervise.max_micro_batch_size`): it bounds
+whatever the setting gives, and leaves the setting itself as the user made it.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_memopt import supervise
 from keras_memopt._validation import micro_batch_split
 
 
@@ -23,8 +28,9 @@ class MicroBatchSetting:
         accumulation_steps: int or None; at most one of the two is set.
 
     Raises:
-        ValueError: for a setting `micro_batch_split` refuses, or a tuple of
-            sizes that does not give one per replica.
+        ValueError: for a setting `micro_batch_split` refuses, a tuple of
+            sizes that does not give one per replica, or a supervisor's cap
+            that is not a positive integer.
     """
 
     def __init__(self, replicas: int, micro_batch_size=None, accumulation_steps=None):
@@ -32,11 +38,13 @@ class MicroBatchSetting:
         self.micro_batch_size, self.accumulation_steps = self._validated(
             micro_batch_size, accumulation_steps
         )
+        self.cap = supervise.max_micro_batch_size()
         with tf.init_scope():
             self._sizes = tf.Variable(
                 tf.zeros([replicas], tf.int32), trainable=False, name="micro_batch_sizes"
             )
             self._steps = tf.Variable(1, trainable=False, name="accumulation_steps")
+            self._cap = tf.Variable(self.cap or 0, trainable=False, name="micro_batch_cap")
         self._assign()
 
     def _validated(self, micro_batch_size, accumulation_steps):
@@ -73,12 +81,15 @@ class MicroBatchSetting:
         """
         size = self.micro_batch_size
         if isinstance(size, tuple):
-            return size
+            return tuple(self._capped(s) for s in size)
         if isinstance(size, int):
-            return min(size, batch_size or size)
+            return self._capped(min(size, batch_size or size))
         if batch_size is None:
             return None
-        return max(1, -(-batch_size // (self.accumulation_steps or 1)))
+        return self._capped(max(1, -(-batch_size // (self.accumulation_steps or 1))))
+
+    def _capped(self, size: int) -> int:
+        return size if self.cap is None else min(size, self.cap)
 
     def splits(self) -> bool:
         """Whether the setting may split a batch into several micro-batches."""
@@ -92,4 +103,6 @@ class MicroBatchSetting:
         size = tf.cast(self._sizes[index], batch_size.dtype)
         steps = tf.cast(self._steps, batch_size.dtype)
         by_steps = tf.maximum((batch_size + steps - 1) // steps, 1)
-        return tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)
+        size = tf.where(size > 0, tf.minimum(size, tf.maximum(batch_size, 1)), by_steps)
+        cap = tf.cast(self._cap, batch_size.dtype)
+        return tf.where(cap > 0, tf.minimum(size, cap), size)
