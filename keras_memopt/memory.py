@@ -1,213 +1,55 @@
-"""Reading memory: byte sizes, TensorFlow's allocator per device, the host process, NVML.
+"""Reading memory: TensorFlow's allocator per device, the host process, NVML.
 
 The one home in keras_memopt for each of these needs:
 
 - `parse_bytes` / `format_bytes`: sizes such as `"8GiB"` to bytes and back;
 - `bytes_if_known` / `bytes_per_sample`: the bytes of tensors from their
   shapes and dtypes;
-- `allocator_memory`: TensorFlow's allocator figures for one device;
+- `allocator_memory`: TensorFlow's allocator figures for one device, and
+  `device_total`, what it may hand out;
 - `nvml` / `nvml_handle_of_tf_gpu`: NVML (nvidia-ml-py), initialised once
   per process, and the NVML device behind one of TensorFlow's GPUs;
 - `MemoryReader`: all of the above, and the host's RSS, as one flat dict.
 
-Importing this module does not import TensorFlow (the functions that read it
-do), so that the command line can check sizes before TensorFlow loads.
+Byte sizes live in `keras_memopt._sizes` and the allocator's figures in
+`keras_memopt._allocator`; this module is their public home. Importing it
+does not import TensorFlow (the functions that read it do), so that the
+command line can check sizes before TensorFlow loads.
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 import psutil
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from keras_memopt._allocator import (
+    allocator_memory,
+    canonical_device,
+    default_device,
+    device_tag,
+    reset_step_peak,
+    start_peak_window,
+    step_peak,
+)
+from keras_memopt._sizes import MIB, bytes_if_known, bytes_per_sample, format_bytes, parse_bytes
 
-MIB = 2**20
-
-
-def parse_bytes(value, name="size"):
-    """A memory size in bytes from an int (bytes) or a string with a unit.
-
-    Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers
-    of 1024), case-insensitive; a bare number is bytes.
-
-    Example: `parse_bytes("8GiB") == 8 * 2**30`.
-
-    Raises:
-        ValueError: naming `name`, for anything but a positive size.
-    """
-    if isinstance(value, bool):
-        value = str(value)
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    if match is None or (match.group(2) or "b").lower() not in _UNITS:
-        raise ValueError(
-            f"`{name}` must be a positive number of bytes or a string such as "
-            f"'512MiB' or '8GB' (units: {', '.join(_unit_names())}). "
-            f"Received: {name}={value!r}"
-        )
-    size = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
-    if size <= 0:
-        raise ValueError(f"`{name}` must be positive. Received: {name}={value!r}")
-    return int(size)
-
-
-def _unit_names():
-    return ["B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"]
-
-
-def format_bytes(size):
-    """`size` bytes as a short human string in binary units ("1.50 GiB")."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{int(size)} B"
-
-
-# -- TensorFlow's allocator -------------------------------------------------------------
-
-
-def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
-    """Bytes of a tensor of `shape` and `dtype`.
-
-    Args:
-        shape: the dimensions; None for an unknown one.
-        dtype: the element type.
-        unknown_dim: int, the size to count an unknown dimension as.
-            Defaults to None: an unknown dimension makes the result None,
-            since there is no honest number (the planner refuses such
-            shapes; a caller that only compares sizes may count them as 1).
-    """
-    size = 1
-    for dim in shape:
-        if dim is None:
-            if unknown_dim is None:
-                return None
-            dim = unknown_dim
-        size *= int(dim)
-    import tensorflow as tf
-
-    return size * tf.as_dtype(dtype).size
-
-
-def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
-    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
-
-    None if a dimension but the batch axis is unknown, unless `unknown_dim`
-    says what to count it as (see `bytes_if_known`).
-    """
-    import tensorflow as tf
-
-    total = 0
-    for tensor in tf.nest.flatten(tensors):
-        size = bytes_if_known(tuple(tensor.shape)[1:], tensor.dtype, unknown_dim)
-        if size is None:
-            return None
-        total += size
-    return total
-
-
-def _device_spec(device):
-    import tensorflow as tf
-
-    return tf.DeviceSpec.from_string(device if "/" in device else f"/device:{device}")
-
-
-def _device_tag(device):
-    """`"GPU:0"` → `"gpu0"`: a name safe in CSV columns and summary names."""
-    spec = _device_spec(device)
-    return f"{(spec.device_type or 'cpu').lower()}{spec.device_index or 0}"
-
-
-def _canonical(device):
-    spec = _device_spec(device)
-    return f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
-
-
-def default_device() -> str:
-    """The first logical GPU, else `"CPU:0"`."""
-    import tensorflow as tf
-
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def allocator_memory(device: str | None = None) -> dict | None:
-    """Current and peak bytes of TensorFlow's allocator on `device`, or None.
-
-    A GPU always has these figures; a CPU has them only under TensorFlow's
-    BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts).
-
-    Args:
-        device: str, a logical device such as `"GPU:0"`. Defaults to the
-            first GPU, else `"CPU:0"`.
-
-    Returns:
-        `{"device": ..., "current": bytes, "peak": bytes}`, or None where the
-        device gives no figures.
-
-    Example:
-
-    ```python
-    info = allocator_memory()
-    if info is not None:
-        print(format_bytes(info["peak"]), "peak on", info["device"])
-    ```
-    """
-    import tensorflow as tf
-
-    device = device or default_device()
-    try:
-        info = tf.config.experimental.get_memory_info(device)
-    except (ValueError, RuntimeError, tf.errors.OpError):
-        return None
-    peak = max(info["peak"], _PEAKS_RESET_AWAY.get(_canonical(device), 0))
-    return dict(device=device, current=info["current"], peak=peak)
-
-
-# Peaks the step runner reset to measure one step (`reset_step_peak`), per
-# device: `allocator_memory` still reports them until a reader starts a new
-# window (`MemoryReader.reset_peaks`), so that a user's peak is not lost.
-_PEAKS_RESET_AWAY: dict[str, int] = {}
-
-
-def reset_step_peak(device: str) -> int | None:
-    """Starts a new peak window on `device` for one step; returns its current bytes.
-
-    What the allocator's peak was before is kept for `allocator_memory`.
-    Returns None where the device gives no figures.
-    """
-    import tensorflow as tf
-
-    info = allocator_memory(device)
-    if info is None:
-        return None
-    key = _canonical(device)
-    _PEAKS_RESET_AWAY[key] = max(_PEAKS_RESET_AWAY.get(key, 0), info["peak"])
-    tf.config.experimental.reset_memory_stats(device)
-    return info["current"]
-
-
-def step_peak(device: str) -> int | None:
-    """The allocator's peak on `device` since `reset_step_peak`, or None."""
-    import tensorflow as tf
-
-    try:
-        return tf.config.experimental.get_memory_info(device)["peak"]
-    except (ValueError, RuntimeError, tf.errors.OpError):
-        return None
+__all__ = [
+    "MIB",
+    "MemoryReader",
+    "NvmlUnavailable",
+    "allocator_memory",
+    "bytes_if_known",
+    "bytes_per_sample",
+    "default_device",
+    "device_total",
+    "format_bytes",
+    "nvml",
+    "nvml_handle_of_tf_gpu",
+    "parse_bytes",
+    "reset_step_peak",
+    "step_peak",
+]
 
 
 def device_total(device: str) -> int | None:
@@ -218,8 +60,8 @@ def device_total(device: str) -> int | None:
     """
     import tensorflow as tf
 
-    spec = _device_spec(device)
-    kind, index = (spec.device_type or "CPU").upper(), spec.device_index or 0
+    kind, index = canonical_device(device).split(":")
+    kind, index = kind.upper(), int(index)
     if kind == "CPU":
         bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
         limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")
@@ -266,7 +108,7 @@ def nvml():
             import pynvml
         except ImportError:
             raise NvmlUnavailable(
-                "nvidia-ml-py is not installed (pip install keras_memopt[nvml])"
+                'nvidia-ml-py is not installed (pip install "keras_memopt[nvml]")'
             ) from None
         try:
             pynvml.nvmlInit()
@@ -335,15 +177,18 @@ class MemoryReader:
 
     - TensorFlow's allocator, per device: bytes in use now and the peak since
       the last reset (`tf.config.experimental.get_memory_info`). GPUs always
-      have these figures; a CPU has them only when TensorFlow runs its BFC
-      allocator there (`TF_CPU_ALLOCATOR_USE_BFC=true`).
+      have these figures. A CPU has them under TensorFlow's default
+      allocator with oneDNN on (allocations of 256 KiB or more only) and
+      under its BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true` before
+      TensorFlow starts; every allocation).
     - The host process's resident set size (psutil).
     - NVML, where `nvidia-ml-py` is installed and finds GPUs: memory used and
       total per physical GPU (numbered as NVML numbers them), which counts
       every process and the CUDA context, not only TensorFlow's allocator.
 
     A figure that is not available is left out of `read()`; why is recorded
-    once in `unavailable`.
+    once in `unavailable`. NVML's absence is recorded only where TensorFlow
+    sees a GPU: on a machine without one there is nothing for it to report.
 
     Args:
         devices: list of str, the logical devices to read (`"GPU:0"`,
@@ -372,7 +217,7 @@ class MemoryReader:
                     "`devices` must be a list of device names such as ['GPU:0']. "
                     f"Received: devices={devices!r}"
                 )
-            devices = [_canonical(d) for d in devices]
+            devices = [canonical_device(d) for d in devices]
         self._devices = devices
         self.host = bool(host)
         self.nvml = bool(nvml)
@@ -388,7 +233,7 @@ class MemoryReader:
             import tensorflow as tf
 
             gpus = tf.config.list_logical_devices("GPU")
-            self._devices = [_canonical(d.name) for d in gpus] or ["CPU:0"]
+            self._devices = [canonical_device(d.name) for d in gpus] or ["CPU:0"]
         return list(self._devices)
 
     def _allocator(self, device):
@@ -399,7 +244,8 @@ class MemoryReader:
         if info is None:
             self.unavailable[f"allocator {device}"] = (
                 f"TensorFlow's allocator gives no memory figures for {device}. "
-                "On a CPU, set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts."
+                "On a CPU, set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts "
+                "(with oneDNN off, TensorFlow's default CPU allocator gives none)."
             )
         return info
 
@@ -411,9 +257,11 @@ class MemoryReader:
                 count = pynvml.nvmlDeviceGetCount()
                 self._nvml_handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
             except NvmlUnavailable as error:
-                self.unavailable["nvml"] = f"no NVML figures: {error}."
-            if not self._nvml_handles and "nvml" not in self.unavailable:
-                self.unavailable["nvml"] = "NVML finds no GPUs."
+                reason = f"no NVML figures: {error}."
+            else:
+                reason = "NVML finds no GPUs."
+            if not self._nvml_handles and _tensorflow_sees_a_gpu():
+                self.unavailable["nvml"] = reason
         figures = {}
         for index, handle in enumerate(self._nvml_handles):
             info = nvml().nvmlDeviceGetMemoryInfo(handle)
@@ -427,7 +275,7 @@ class MemoryReader:
         for device in self.devices:
             info = self._allocator(device)
             if info is not None:
-                tag = _device_tag(device)
+                tag = device_tag(device)
                 figures[f"memory_{tag}_current_mib"] = info["current"] / MIB
                 figures[f"memory_{tag}_peak_mib"] = info["peak"] / MIB
         if self.host:
@@ -438,9 +286,12 @@ class MemoryReader:
 
     def reset_peaks(self):
         """Starts a new peak window on every device that has allocator figures."""
-        import tensorflow as tf
-
         for device in self.devices:
             if self._allocator(device) is not None:
-                _PEAKS_RESET_AWAY.pop(_canonical(device), None)
-                tf.config.experimental.reset_memory_stats(device)
+                start_peak_window(device)
+
+
+def _tensorflow_sees_a_gpu() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))

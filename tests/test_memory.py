@@ -77,13 +77,28 @@ class TestMemoryReader:
         assert nvml == {"memory_nvml0_used_mib": 2048.0, "memory_nvml0_total_mib": 8192.0,
                         "memory_nvml1_used_mib": 4096.0, "memory_nvml1_total_mib": 16384.0}
 
-    def test_nvml_absent_is_recorded_not_raised(self, monkeypatch):
+    def test_nvml_absent_where_tensorflow_sees_a_gpu_is_recorded_not_raised(self, monkeypatch):
         _fake_nvml.uninstall(monkeypatch)
+        gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+        monkeypatch.setattr(
+            tf.config, "list_physical_devices", lambda kind=None: [gpu] if kind == "GPU" else []
+        )
         reader = MemoryReader(["CPU:0"], host=False, nvml=True)
         assert not any("nvml" in name for name in reader.read())
         assert reader.unavailable["nvml"] == (
-            "no NVML figures: nvidia-ml-py is not installed (pip install keras_memopt[nvml])."
+            'no NVML figures: nvidia-ml-py is not installed (pip install "keras_memopt[nvml]").'
         )
+
+    @without_gpu
+    @pytest.mark.parametrize("installed", [True, False])
+    def test_nvml_absent_without_a_gpu_is_not_worth_saying(self, monkeypatch, installed):
+        if installed:
+            _fake_nvml.install(monkeypatch, count=0)  # NVML answers, finds no GPUs
+        else:
+            _fake_nvml.uninstall(monkeypatch)
+        reader = MemoryReader(["CPU:0"], host=False, nvml=True)
+        assert set(reader.read()) == {"memory_cpu0_current_mib", "memory_cpu0_peak_mib"}
+        assert reader.unavailable == {}
 
     def test_second_logical_cpu(self):
         figures = MemoryReader(["CPU:1"], host=False, nvml=False).read()
@@ -119,7 +134,7 @@ class TestNvml:
 
     def test_missing_package_says_what_to_install(self, monkeypatch):
         _fake_nvml.uninstall(monkeypatch)
-        with pytest.raises(memory.NvmlUnavailable, match=r"pip install keras_memopt\[nvml\]"):
+        with pytest.raises(memory.NvmlUnavailable, match=r'pip install "keras_memopt\[nvml\]"'):
             memory.nvml()
 
     def test_tensorflows_gpu_outside_cuda_visible_devices(self, monkeypatch):
