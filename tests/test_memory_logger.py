@@ -1,5 +1,6 @@
 import csv
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -70,25 +71,34 @@ class TestLogs:
         said = [w for w in caught if "no memory figures for GPU:0" in str(w.message)]
         assert len(said) == 1
 
-    def test_plot_draws_each_series(self, keras_module, tmp_path):
+    def test_plot_puts_the_host_rss_on_a_panel_of_its_own(self, keras_module, tmp_path):
         import matplotlib.image
+
+        from keras_memopt._memory_plot import memory_figure
 
         plot = tmp_path / "memory.png"
         logger = MemoryLogger(plot=str(plot), every_n_batches=1, devices=["CPU:0"])
         _fit(_model(keras_module), [logger])
-        image = matplotlib.image.imread(str(plot))
-        assert image.shape == (450, 800, 4)  # 8 x 4.5 inches at 100 dpi
-        pixels = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
-        # One line per series in matplotlib's colour cycle: the CPU's peak
-        # (C0, #1f77b4) and the host RSS (C1, #ff7f0e), each a polyline
-        # across the plot, hundreds of pixels long.
-        for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
-            assert np.sum(np.all(np.abs(pixels - colour) <= 8, axis=1)) > 300, colour
-        # Nothing else is plotted: no third colour of the cycle (C2, #2ca02c).
-        assert not np.any(np.all(np.abs(pixels - (0x2C, 0xA0, 0x2C)) <= 8, axis=1))
-        assert len(logger.rows) == 8 and {"memory_cpu0_peak_mib", "memory_host_rss_mib"} <= set(
-            logger.rows[0]
-        )
+        assert matplotlib.image.imread(str(plot)).shape == (600, 800, 4)  # 8 x 6 in, 100 dpi
+        assert len(logger.rows) == 8
+        device, host = memory_figure(logger.rows).get_axes()
+        assert [line.get_label() for line in device.get_lines()] == ["cpu0 peak"]
+        assert [line.get_label() for line in host.get_lines()] == ["host rss"]
+        # Each panel is scaled to its own series: the device's curve is not
+        # pressed flat under the host's hundreds of MiB.
+        peaks = [row["memory_cpu0_peak_mib"] for row in logger.rows]
+        rss = [row["memory_host_rss_mib"] for row in logger.rows]
+        assert max(rss) > 10 * max(peaks)
+        assert device.get_ylim()[1] < 2 * max(peaks) and host.get_ylim()[0] > max(peaks)
+        np.testing.assert_allclose(device.get_lines()[0].get_ydata(), peaks, rtol=0)
+        assert list(device.get_lines()[0].get_xdata()) == list(range(1, 9))
+
+    def test_plot_without_device_figures_has_the_host_panel_only(self):
+        from keras_memopt._memory_plot import memory_figure
+
+        rows = [{"step": step, "memory_host_rss_mib": 400.0 + step} for step in (1, 2)]
+        (host,) = memory_figure(rows).get_axes()
+        assert [line.get_label() for line in host.get_lines()] == ["host rss"]
 
     def test_tensorboard_scalars_are_the_rows(self, keras_module, tmp_path):
         board = tmp_path / "board"
@@ -109,32 +119,61 @@ class TestLogs:
 
 
 class TestFileSafety:
-    def test_existing_file_is_not_overwritten(self, keras_module, tmp_path):
+    def test_a_second_fit_replaces_the_file_as_csvlogger_does(self, keras_module, tmp_path):
         path = tmp_path / "memory.csv"
-        path.write_text("precious\n")
-        with pytest.raises(FileExistsError, match="already exists"):
-            _fit(_model(keras_module), [MemoryLogger(str(path))])
-        assert path.read_text() == "precious\n"
+        _fit(_model(keras_module), [MemoryLogger(str(path))], epochs=2)
+        _fit(_model(keras_module), [MemoryLogger(str(path))], epochs=1)
+        with open(path) as handle:
+            rows = list(csv.DictReader(handle))
+        assert [row["epoch"] for row in rows] == ["0"]  # the second run only
 
-    def test_existing_plot_is_not_overwritten(self, keras_module, tmp_path):
-        path = tmp_path / "memory.png"
-        path.write_bytes(b"old")
-        with pytest.raises(FileExistsError, match="overwrite=True"):
-            _fit(_model(keras_module), [MemoryLogger(plot=str(path))])
-        assert path.read_bytes() == b"old"
-
-    def test_append_and_overwrite(self, keras_module, tmp_path):
+    def test_append_adds_to_the_file(self, keras_module, tmp_path):
         path = tmp_path / "memory.csv"
         _fit(_model(keras_module), [MemoryLogger(str(path))], epochs=1)
         _fit(_model(keras_module), [MemoryLogger(str(path), append=True)], epochs=2)
-        assert len(path.read_text().splitlines()) == 1 + 1 + 2
-        _fit(_model(keras_module), [MemoryLogger(str(path), overwrite=True)], epochs=1)
+        with open(path) as handle:
+            assert [row["epoch"] for row in csv.DictReader(handle)] == ["0", "0", "1"]
+
+    def test_a_reused_logger_starts_its_file_anew_each_fit(self, keras_module, tmp_path):
+        path = tmp_path / "memory.csv"
+        logger = MemoryLogger(str(path))
+        model = _model(keras_module)
+        _fit(model, [logger], epochs=2)
+        _fit(model, [logger], epochs=1)
         assert len(path.read_text().splitlines()) == 1 + 1
+        assert len(logger.rows) == 1
+
+    def test_an_existing_plot_is_replaced(self, keras_module, tmp_path):
+        path = tmp_path / "memory.png"
+        path.write_bytes(b"old")
+        _fit(_model(keras_module), [MemoryLogger(plot=str(path))], epochs=1)
+        assert path.read_bytes().startswith(b"\x89PNG")
+
+    @pytest.mark.parametrize("argument", ["filename", "plot"])
+    def test_a_missing_folder_fails_before_the_first_update(
+        self, keras_module, tmp_path, argument
+    ):
+        path = str(tmp_path / "no_such_folder" / "memory.out")
+        model = _model(keras_module)
+        before = [w.copy() for w in model.get_weights()]
+        with pytest.raises(ValueError, match=rf"folder that exists.*Received: {argument}="):
+            _fit(model, [MemoryLogger(**{argument: path})])
+        assert int(model.optimizer.iterations.numpy()) == 0
+        for a, b in zip(before, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert not (tmp_path / "no_such_folder").exists()
+
+    def test_a_folder_is_not_a_file(self, keras_module, tmp_path):
+        with pytest.raises(ValueError, match="is a folder.*Received: filename="):
+            _fit(_model(keras_module), [MemoryLogger(str(tmp_path))])
 
     def test_two_loggers_cannot_share_a_file(self, keras_module, tmp_path):
-        path = str(tmp_path / "memory.csv")
+        path = tmp_path / "memory.csv"
+        path.write_text("precious\n")
         with pytest.raises(FileExistsError, match="Another MemoryLogger"):
-            _fit(_model(keras_module), [MemoryLogger(path), MemoryLogger(path, overwrite=True)])
+            _fit(_model(keras_module), [MemoryLogger(str(path)), MemoryLogger(str(path))])
+        # The first logger replaced the file it held; the second wrote nothing.
+        assert path.read_text() == ""
 
     def test_a_failed_fit_lets_go_of_its_files(self, keras_module, tmp_path):
         path = tmp_path / "memory.csv"
@@ -147,23 +186,32 @@ class TestFileSafety:
         with pytest.raises(RuntimeError, match="the run broke"):
             _fit(model, [MemoryLogger(str(path)), Fails()])
         # Keras called no on_train_end; another logger may now take the file.
-        _fit(model, [MemoryLogger(str(path), overwrite=True)], epochs=1)
+        _fit(model, [MemoryLogger(str(path))], epochs=1)
         assert len(path.read_text().splitlines()) == 1 + 1
         # Two loggers in one fit are still refused.
         with pytest.raises(FileExistsError, match="Another MemoryLogger"):
-            _fit(model, [MemoryLogger(str(path), overwrite=True),
-                         MemoryLogger(str(path), overwrite=True)])
+            _fit(model, [MemoryLogger(str(path)), MemoryLogger(str(path))])
 
-    def test_reused_logger_continues_its_own_file(self, keras_module, tmp_path):
-        path = tmp_path / "memory.csv"
-        logger = MemoryLogger(str(path))
-        model = _model(keras_module)
-        _fit(model, [logger], epochs=1)
-        _fit(model, [logger], epochs=2)
-        assert len(path.read_text().splitlines()) == 1 + 3
-
-    def test_bad_arguments(self):
+    def test_bad_arguments(self, tmp_path):
         with pytest.raises(ValueError, match="Received: every_n_batches=0"):
             MemoryLogger(every_n_batches=0)
-        with pytest.raises(ValueError, match="at most one of `append` and `overwrite`"):
-            MemoryLogger("m.csv", append=True, overwrite=True)
+        with pytest.raises(ValueError, match="must be two files"):
+            MemoryLogger(str(tmp_path / "m"), plot=str(tmp_path / "m"))
+        with pytest.raises(ValueError, match="Received: filename=3"):
+            MemoryLogger(3)
+
+
+class TestWithoutExtras:
+    def test_plot_without_matplotlib_names_the_extra(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+        with pytest.raises(ImportError, match=r'pip install "keras_memopt\[plot\]"'):
+            MemoryLogger(plot="memory.png")
+
+    @without_gpu
+    def test_no_nvml_warning_on_a_machine_without_gpus(self, keras_module):
+        x, y = _data()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _model(keras_module).fit(x, y, batch_size=32, epochs=1, verbose=0,
+                                     callbacks=[MemoryLogger(devices=["CPU:0"])])
+        assert not [w for w in caught if "MemoryLogger" in str(w.message)]
