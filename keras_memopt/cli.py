@@ -13,6 +13,8 @@ import warnings
 
 from keras_memopt._validation import positive_int_argument
 
+__all__ = ["build_parser", "main"]
+
 # `plan`'s default margins; tests/test_cli.py checks that they are
 # `keras_memopt.planning.planner`'s MEASURED_MARGIN and SHAPES_ONLY_MARGIN.
 _MARGINS_HELP = (
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with every AccumulatingModel's micro-batch at most FACTOR times the size it was "
         "using, and with TensorFlow's oneDNN CPU kernels off (TF_ENABLE_ONEDNN_OPTS=0, "
         "unless set), whose kernels crash when their output cannot be allocated; the "
-        "script resumes from its keras.callbacks.BackupAndRestore backup.",
+        "script resumes from its keras_memopt.callbacks.BackupAndRestore backup.",
         usage="keras-memopt run [options] -- COMMAND [ARGS...]",
     )
     run.add_argument("--factor", type=float, default=0.5,
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success, 1 when the plan does not fit (or the demo's
         accumulating run did not train), 2 for errors, 130 when interrupted.
+        `run` returns the training command's status, or 127 when the command
+        is not found and 126 when it cannot be run, as a shell does.
     """
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -122,6 +126,15 @@ def _run(parser, args) -> int:
     except ValueError as error:
         print(f"keras-memopt run: error: {error}", file=sys.stderr)
         return 2
+    except FileNotFoundError:
+        # The shell's statuses: 127 for a command not found, 126 for one that
+        # cannot be run.
+        print(f"keras-memopt run: error: command not found: {command[0]}", file=sys.stderr)
+        return 127
+    except OSError as error:
+        print(f"keras-memopt run: error: cannot run {command[0]}: {error.strerror}",
+              file=sys.stderr)
+        return 126
 
 
 def _plan(args) -> int:

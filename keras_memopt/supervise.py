@@ -16,8 +16,9 @@ same command again, with every `AccumulatingModel`'s micro-batch at most
 (`TF_ENABLE_ONEDNN_OPTS=0`) unless the environment sets that variable. A
 crash at `min_micro_batch_size` is restarted once more when that switch is
 new. The script resumes from its last backup when it trains with
-`keras.callbacks.BackupAndRestore`; the result is that of a run that switched
-to the smaller micro-batch at that backup (to float32 rounding: oneDNN's and
+`keras_memopt.callbacks.BackupAndRestore`; with its default
+`save_freq="epoch"`, the result is that of a run that switched to the
+smaller micro-batch at that backup (to float32 rounding: oneDNN's and
 TensorFlow's kernels sum in different orders). A process that exits with an
 error (an exception, out-of-memory at `min_micro_batch_size` included) is not
 restarted: its exit status is returned.
@@ -26,6 +27,11 @@ The supervisor and the training process talk through two environment
 variables: the process writes the micro-batch size it is using to the file
 named by `KERAS_MEMOPT_RUN_STATE` (each time it changes), and reads its cap
 from `KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE`.
+
+The supervisor's own messages (a restart, why it does not restart) go to
+standard error, beside the training process's output, which passes through
+untouched; `supervise(..., verbose=0)` says nothing. The supervisor does not
+import TensorFlow: it would hold memory the training process needs.
 
 Example:
 
@@ -38,7 +44,7 @@ keras-memopt run --factor 0.5 -- python train.py --epochs 10
 model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=256)
 model.compile(...)
 model.fit(x, y, batch_size=1024, epochs=10, callbacks=[
-    keras.callbacks.BackupAndRestore("backup"),  # what a restart resumes from
+    kmo.callbacks.BackupAndRestore("backup"),  # what a restart resumes from
     kmo.callbacks.OOMBackoff(),                  # what can be caught, is
 ])
 ```
@@ -54,6 +60,15 @@ import sys
 import tempfile
 
 from keras_memopt._validation import backoff_factor, positive_int, shrink
+
+__all__ = [
+    "CAP_VARIABLE",
+    "ONEDNN_VARIABLE",
+    "STATE_VARIABLE",
+    "Reporter",
+    "max_micro_batch_size",
+    "supervise",
+]
 
 STATE_VARIABLE = "KERAS_MEMOPT_RUN_STATE"
 CAP_VARIABLE = "KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE"
@@ -137,7 +152,9 @@ def supervise(
             final, unless the restart is the first without oneDNN kernels.
             Defaults to `1`.
         max_restarts: int, how many restarts at the most. Defaults to `5`.
-        verbose: int, 1 to print a line per restart. Defaults to `1`.
+        verbose: int, 1 to write a line to standard error per restart, and
+            why a crashed process is not restarted; 0 for silence. Defaults
+            to `1`.
 
     Returns:
         The training process's last exit status (0 when it trained), 130 when
@@ -145,6 +162,8 @@ def supervise(
 
     Raises:
         ValueError: for an empty `command` or an invalid argument.
+        FileNotFoundError: if the command is not found (`OSError` if it
+            cannot be run otherwise).
     """
     if not command:
         raise ValueError("`command` must name the training command. Received: command=[]")
@@ -160,7 +179,7 @@ def supervise(
         env = {**os.environ, STATE_VARIABLE: state}
         restarts = 0
         while True:
-            returncode = _run(command, env)
+            returncode = _run(command, env, verbose)
             if returncode == 0 or not _crashed(returncode):
                 return returncode
             size = _last_size(state)
@@ -172,25 +191,23 @@ def supervise(
             why = _why_not_restart(restarts, max_restarts, size, min_micro_batch_size,
                                    onednn_newly_off)
             if why:
-                print(
-                    f"keras-memopt run: the training process died of {_signal_name(returncode)} "
-                    f"{why}; not restarting.",
-                    file=sys.stderr,
+                _say(
+                    verbose,
+                    f"the training process died of {_signal_name(returncode)} {why}; "
+                    "not restarting.",
                 )
                 return returncode
             cap = shrink(size, factor, min_micro_batch_size)
             env[CAP_VARIABLE] = str(cap)
             env.setdefault(ONEDNN_VARIABLE, "0")
             restarts += 1
-            if verbose:
-                onednn = " and oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0)" * onednn_newly_off
-                print(
-                    f"keras-memopt run: the training process died of {_signal_name(returncode)} "
-                    f"at micro_batch_size={size}; restarting it (restart {restarts} of at most "
-                    f"{max_restarts}) with micro_batch_size at most {cap}{onednn}.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            onednn = " and oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0)" * onednn_newly_off
+            _say(
+                verbose,
+                f"the training process died of {_signal_name(returncode)} "
+                f"at micro_batch_size={size}; restarting it (restart {restarts} of at most "
+                f"{max_restarts}) with micro_batch_size at most {cap}{onednn}.",
+            )
 
 
 def _why_not_restart(restarts, max_restarts, size, min_micro_batch_size, onednn_newly_off):
@@ -204,7 +221,14 @@ def _why_not_restart(restarts, max_restarts, size, min_micro_batch_size, onednn_
     return None
 
 
-def _run(command, env):
+def _say(verbose, message):
+    """A message of `keras-memopt run`'s, to standard error (see the module's docstring)."""
+    if verbose:
+        sys.stderr.write(f"keras-memopt run: {message}\n")
+        sys.stderr.flush()
+
+
+def _run(command, env, verbose):
     """Runs `command` to its end; on Ctrl-C stops it and returns 130."""
     process = subprocess.Popen(command, env=env)
     try:
@@ -216,5 +240,5 @@ def _run(command, env):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        print("\nkeras-memopt run: interrupted.", file=sys.stderr)
+        _say(verbose, "interrupted.")
         return 130

@@ -142,6 +142,29 @@ class TestErrors:
         )
 
 
+class TestRun:
+    def test_a_command_not_found_exits_127_with_one_line(self, capsys):
+        assert main(["run", "--", "no-such-command-kmo", "--epochs", "2"]) == 127
+        assert capsys.readouterr().err == (
+            "keras-memopt run: error: command not found: no-such-command-kmo\n"
+        )
+
+    def test_a_file_that_cannot_be_run_exits_126(self, tmp_path, capsys):
+        script = tmp_path / "train.sh"
+        script.write_text("echo trained\n")  # not executable
+        assert main(["run", "--", str(script)]) == 126
+        assert capsys.readouterr().err == (
+            f"keras-memopt run: error: cannot run {script}: Permission denied\n"
+        )
+
+    def test_help_names_the_packages_backup_callback(self, capsys):
+        with pytest.raises(SystemExit):
+            main(["run", "--help"])
+        out = capsys.readouterr().out
+        assert "keras_memopt.callbacks.BackupAndRestore" in out
+        assert "keras.callbacks.BackupAndRestore" not in out.replace("keras_memopt.callbacks", "")
+
+
 @without_gpu  # on a GPU, measurements run in this process
 def test_plan_measures_by_default_and_says_so(saved_model, capsys):
     assert main(["plan", saved_model, "--batch-size", "64", "--budget", "1GiB"]) == 0

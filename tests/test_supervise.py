@@ -114,6 +114,12 @@ def test_a_crash_before_any_step_is_not_restarted(tmp_path, capsys):
     assert "died of SIGABRT before any training step; not restarting" in capsys.readouterr().err
 
 
+def test_verbose_0_says_nothing(capsys):
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"
+    assert supervise.supervise([sys.executable, "-c", code], verbose=0) == -signal.SIGABRT
+    assert capsys.readouterr().err == ""
+
+
 # Reports micro-batch 4, notes the oneDNN setting it was started with, and
 # dies of SIGSEGV.
 _CRASH_AT_4 = (
