@@ -2,11 +2,17 @@
 
 tensorflow-model-optimization (tfmot) works only with tf_keras (Keras 2), so
 pruning needs `TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported, and
-the `tfmot` extra (`pip install keras_memopt[tfmot]`). The functions here are
+the `tfmot` extra (`pip install "keras_memopt[tfmot]"`). The functions here are
 tfmot's `prune_low_magnitude` and `strip_pruning` with two additions: the
 model that comes back is still an `AccumulatingModel` with the same
 micro-batch setting (tfmot rebuilds a plain functional model), and asking for
 pruning on Keras 3 fails with an error that says how to switch.
+
+Importing tensorflow_model_optimization sets `TF_USE_LEGACY_KERAS=1` in
+`os.environ`: imported before keras_memopt, it puts keras_memopt on tf_keras
+(a model built with `import keras`, Keras 3, is then refused with a
+`TypeError` that says so); imported after, it comes too late for the
+TensorFlow already running, and pruning says that.
 
 Train the pruned model with tfmot's own `UpdatePruningStep` callback. An
 `AccumulatingModel` advances the wrappers' `pruning_step` once per optimizer
@@ -33,6 +39,8 @@ exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
 
 from __future__ import annotations
 
+import os
+
 from keras_memopt import _keras as K
 from keras_memopt import _loop
 from keras_memopt.models import AccumulatingModel
@@ -41,29 +49,45 @@ __all__ = ["prune_low_magnitude", "strip_pruning"]
 
 
 def _keras_3_error():
+    now = os.environ.get("TF_USE_LEGACY_KERAS")
+    if now is None:
+        received = "TF_USE_LEGACY_KERAS unset"
+    elif now.lower() in ("1", "true"):
+        # tfmot sets it when imported (tensorflow_model_optimization's
+        # `compat.py`): imported after keras_memopt, too late.
+        received = (
+            f"TF_USE_LEGACY_KERAS={now!r} set after keras_memopt was imported "
+            "(importing tensorflow_model_optimization sets it)"
+        )
+    else:
+        received = f"TF_USE_LEGACY_KERAS={now!r}"
     return RuntimeError(
         "Pruning uses tensorflow-model-optimization, which works only with "
         "tf_keras (Keras 2), but keras_memopt is running on Keras 3. Set the "
-        "environment variable TF_USE_LEGACY_KERAS=1 before TensorFlow is "
-        "imported (for example `TF_USE_LEGACY_KERAS=1 python train.py`), "
-        "install the extra with `pip install keras_memopt[tfmot]`, and build "
-        "the model with `tf_keras` (or `tf.keras`). "
-        f"Received: Keras {K.keras.__version__} with "
-        "TF_USE_LEGACY_KERAS unset"
+        "environment variable TF_USE_LEGACY_KERAS=1 before anything imports "
+        "TensorFlow (for example `TF_USE_LEGACY_KERAS=1 python train.py`; in a "
+        "notebook, restart the kernel and set it in the first cell), install "
+        'the extra with `pip install "keras_memopt[tfmot]"`, and build the '
+        "model with `tf_keras` (or `tf.keras`). "
+        f"Received: Keras {K.keras.__version__} with {received}"
     )
 
 
 def _sparsity():
     """tfmot's `sparsity.keras` module, or a clear error saying what to do."""
     if not K.LEGACY:
+        # Before importing tfmot, which would set TF_USE_LEGACY_KERAS=1 for
+        # every process this one starts.
         raise _keras_3_error()
     try:
         import tensorflow_model_optimization as tfmot
-    except ImportError as error:
+    except Exception as error:  # noqa: BLE001 - any failure to import it says the same
+        missing = isinstance(error, ImportError) and error.name == "tensorflow_model_optimization"
+        what = "is not installed" if missing else "could not be imported"
         raise ImportError(
-            "Pruning needs tensorflow-model-optimization, which is not "
-            "installed. Install it with `pip install keras_memopt[tfmot]`. "
-            f"Received: {error}"
+            f"Pruning needs tensorflow-model-optimization, which {what}. Install "
+            'it, with the tf_keras it needs, by `pip install "keras_memopt[tfmot]"`. '
+            f"Received: {type(error).__name__}: {error}"
         ) from error
     return tfmot.sparsity.keras
 
@@ -74,7 +98,9 @@ def _check_model(model, expected=None):
         raise TypeError(
             f"`model` must be a tf_keras `{expected.__name__}`: with "
             "TF_USE_LEGACY_KERAS=1, build it with `tf_keras` or `tf.keras`, not "
-            "with `import keras`, which is Keras 3. Received: "
+            "with `import keras`, which is Keras 3 (importing "
+            "tensorflow_model_optimization sets TF_USE_LEGACY_KERAS=1, so "
+            "keras_memopt imported after it runs on tf_keras). Received: "
             f"model={model!r} of type {type(model).__module__}.{type(model).__name__}"
         )
 

@@ -2,6 +2,7 @@
 
 import gzip
 import importlib.util
+import sys
 
 import numpy as np
 import pytest
@@ -49,6 +50,25 @@ class TestKeras3:
         model = _mlp(AccumulatingModel, micro_batch_size=8)
         with pytest.raises(RuntimeError, match=r"tf_keras.*TF_USE_LEGACY_KERAS=1.*\[tfmot\]"):
             function(model)
+
+    @pytest.mark.skipif(LEGACY, reason="the error is for Keras 3")
+    def test_the_switch_set_too_late_is_named(self, monkeypatch):
+        # As `import tensorflow_model_optimization` after keras_memopt does.
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+        with pytest.raises(RuntimeError, match=r"TF_USE_LEGACY_KERAS='1' set after keras_memopt"):
+            pruning.prune_low_magnitude(_mlp(AccumulatingModel, micro_batch_size=8))
+
+    def test_tfmot_missing_names_the_extra(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "tensorflow_model_optimization", None)
+        model = _mlp(AccumulatingModel, micro_batch_size=8)
+        # On Keras 3 the switch comes first: tfmot is not imported there.
+        error, match = (
+            (ImportError, r"which is not installed.*pip install \"keras_memopt\[tfmot\]\"")
+            if LEGACY
+            else (RuntimeError, r"TF_USE_LEGACY_KERAS=1.*pip install \"keras_memopt\[tfmot\]\"")
+        )
+        with pytest.raises(error, match=match):
+            pruning.prune_low_magnitude(model)
 
     def test_models_without_pruning_have_no_step_counters(self):
         assert pruning.step_counters(_mlp(AccumulatingModel, micro_batch_size=8)) == []
