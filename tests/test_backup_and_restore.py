@@ -62,3 +62,43 @@ def test_resumed_training_ends_with_the_weights_of_training_never_stopped(tmp_pa
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
     if not LEGACY:  # tf_keras keeps the (emptied) directory
         assert not (tmp_path / "backup").exists()  # removed once training ended
+
+
+class _InterruptMidEpoch(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch == 2 and batch == 2:
+            raise RuntimeError("interrupted")
+
+
+class _BatchesSeen(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.seen = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append((self.epoch, int(batch)))
+
+
+def test_an_integer_save_freq_resumes_as_the_keras_line_does(tmp_path):
+    """Keras 3 replays the interrupted epoch from its first batch; tf_keras does not."""
+    rng = np.random.RandomState(0)
+    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.randint(0, 3, 64)
+    fit = dict(batch_size=16, epochs=4, shuffle=False, verbose=0)  # 4 batches an epoch
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _model().fit(x, y, callbacks=[BackupAndRestore(backup, save_freq=1), _InterruptMidEpoch()],
+                     **fit)
+    seen = _BatchesSeen()
+    resumed = _model()
+    resumed.fit(x, y, callbacks=[BackupAndRestore(backup, save_freq=1), seen], **fit)
+    # The backup was taken after batch 1 of epoch 2 (10 updates).
+    first = 0 if not LEGACY else 2
+    assert seen.seen[0] == (2, first)
+    assert len(seen.seen) == 8 - first
+    # 16 updates uninterrupted; Keras 3 trains batches 0 and 1 of epoch 2 twice.
+    assert int(resumed.optimizer.iterations.numpy()) == (18 if not LEGACY else 16)

@@ -10,6 +10,8 @@ from keras_memopt import _keras as K
 from keras_memopt import _rollback, distribute
 from keras_memopt._keras import keras
 
+__all__ = ["BackupAndRestore"]
+
 _RANDOM_STATE = "random_state.npz"
 
 
@@ -29,22 +31,32 @@ class _BackupAndRestore(keras.callbacks.BackupAndRestore):
     - The seed generators' states (a `Dropout`'s, the global one) are backed
       up and restored with the weights, so that training resumed after an
       interruption draws the same random numbers as training that was never
-      interrupted, and ends with the same weights. Keras's own callback
-      saves the weights only: a model with `Dropout` resumed from it trains
-      on with other masks.
+      interrupted. Keras's own callback saves the weights only: a model with
+      `Dropout` resumed from it trains on with other masks.
     - Under `MultiWorkerMirroredStrategy`, only the chief worker writes and
       deletes the backup (Keras's own callback makes every worker write the
       same files); every worker restores from it, so the backup directory
       must be shared (a network file system, or one machine's disk).
 
+    When resumed training ends with the weights of training never
+    interrupted: with `save_freq="epoch"` (the default), the backup is taken
+    at the end of each epoch and training resumes at the next one. With an
+    integer `save_freq`, Keras 3 (its own callback, and so this one) keeps no
+    batch position: a resumed run restarts the interrupted epoch from its
+    first batch, from the weights of the last backup taken inside it, so the
+    batches of that epoch before the backup are trained twice (and
+    `optimizer.iterations` counts them twice).
+
     It is what `keras-memopt run` restarts a crashed training process from.
     On tf_keras, `keras_memopt.callbacks.BackupAndRestore` is tf_keras's own
-    callback, which already checkpoints the whole training state and writes
-    from the chief only.
+    callback, which already checkpoints the whole training state, writes
+    from the chief only, and with an integer `save_freq` resumes at the
+    batch after the backup.
 
     Args:
         backup_dir, save_freq, double_checkpoint, delete_checkpoint: as for
-            `keras.callbacks.BackupAndRestore`.
+            `keras.callbacks.BackupAndRestore`; see above for an integer
+            `save_freq`.
 
     Example:
 
