@@ -2,9 +2,15 @@
 
 `accumulate(fn, data, size)` runs `fn` on each micro-batch of `data` and adds
 up what it returns: dense tensors are summed (in float32 where they are
-narrower), `tf.IndexedSlices` (an Embedding's gradient) are concatenated, so
-the result is the one gradient a tape over the whole batch gives (the same
-rows, duplicates included), and `None` stays `None`.
+narrower), `tf.IndexedSlices` (an Embedding's gradient) are concatenated and
+then summed per row (`sum_rows`), so the result is the whole batch's gradient
+with each row once, and `None` stays `None`.
+
+Why per row: Keras 3's optimizers apply an `IndexedSlices` gradient slice by
+slice, so a row that appears k times has each part squared on its own by
+Adam, RMSprop, Adagrad and the like (Σg² instead of (Σg)²), and the update
+differs from the dense gradient's, the whole batch's mathematical gradient.
+tf_keras summed the rows first (`_deduplicate_sparse_grad`); so does the loop.
 
 How the loop is built, and why:
 
@@ -108,6 +114,18 @@ def micro_function(fn, data, *args, jit_compile=False):
     return (function if jit_compile else fn), outputs
 
 
+def sum_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
+    """`slices` with each row once, its slices summed: the same dense gradient.
+
+    Runs outside any XLA-compiled function (`tf.unique` has no XLA kernel):
+    after the loop, whose micro-batch functions alone are compiled.
+    """
+    with tf.name_scope("gradient_sum"):
+        rows, positions = tf.unique(slices.indices)
+        values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, slices.dense_shape)
+
+
 class _RunningSum:
     """The running sum of one output of `fn`, as loop variables.
 
@@ -145,7 +163,9 @@ class _RunningSum:
 
     def result(self, state):
         if self.sparse:
-            return tf.IndexedSlices(state[0].concat(), state[1].concat(), self.dense_shape)
+            return sum_rows(
+                tf.IndexedSlices(state[0].concat(), state[1].concat(), self.dense_shape)
+            )
         return tf.ensure_shape(tf.cast(state[0], self.spec.dtype), self.spec.shape)
 
 

@@ -31,7 +31,7 @@ import math
 
 import tensorflow as tf
 
-from keras_memopt import _keras, memory
+from keras_memopt import _keras, _loop, memory
 
 _KIB = 1024
 
@@ -41,8 +41,12 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
 
     Each variable's update (Keras's `update_step`) waits for the previous
     variable's on the same device; with `place_on_variable_device`, it also
-    runs on its variable's device (see `keras_memopt.placement`). Optimizers
-    without `update_step` (tf_keras's legacy ones) are left as they are.
+    runs on its variable's device (see `keras_memopt.placement`). A sparse
+    gradient reaches `update_step` with each row once (`_loop.sum_rows`):
+    the loop sums a replica's rows, but the all-reduce across replicas
+    concatenates the replicas' rows again, and Keras 3's optimizers would
+    apply a repeated row slice by slice. Optimizers without `update_step`
+    (tf_keras's legacy ones, which sum rows themselves) are left as they are.
     Idempotent.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a loss-scale optimizer's
@@ -57,6 +61,8 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
         previous = last_update.get(device)
         waits = [previous[1]] if previous is not None and previous[0] is graph else []
         placement = tf.device(device) if place_on_variable_device else contextlib.nullcontext()
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = _loop.sum_rows(gradient)
         with placement, tf.control_dependencies(waits):
             result = update_step(gradient, variable, *args, **kwargs)
         if not tf.executing_eagerly():

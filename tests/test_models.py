@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import tensorflow as tf
+from _oracles import dense_gradients
 from conftest import LEGACY, peak_bytes_of_fit, run_python
 
 from keras_memopt import AccumulatingModel
@@ -358,6 +359,32 @@ class TestCompilation:
         plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         accumulating.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         _assert_same_weights(plain, accumulating, rtol=1e-4, atol=1e-5)
+
+    def test_jit_compile_with_sparse_gradients(self):
+        # `tf.unique`, which sums a sparse gradient's rows, has no XLA kernel:
+        # it runs after the loop, outside the compiled micro-batch passes.
+        rng = np.random.RandomState(0)
+        x, y = rng.randint(0, 6, size=(40, 10)).astype("int32"), rng.randint(0, 3, 40)
+
+        def build(cls, **kwargs):
+            keras.utils.set_random_seed(0)
+            tokens = keras.Input((10,), dtype="int32")
+            pooled = layers.GlobalAveragePooling1D()(layers.Embedding(6, 4)(tokens))
+            model = cls(tokens, layers.Dense(3)(pooled), **kwargs)
+            optimizer = keras.optimizers.Adam(0.05)
+            if cls is keras.Model:
+                optimizer = dense_gradients(optimizer)
+            model.compile(
+                optimizer,
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=cls is AccumulatingModel,
+            )
+            model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+            return model
+
+        accumulating = build(AccumulatingModel, micro_batch_size=7)
+        assert accumulating.micro_batch_jit_compile
+        _assert_same_weights(build(keras.Model), accumulating, rtol=1e-4, atol=1e-5)
 
     def test_auto_resolves_without_xla_on_cpu(self):
         model = _mlp(AccumulatingModel, micro_batch_size=7)

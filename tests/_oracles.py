@@ -1,0 +1,40 @@
+"""Oracles for the exactness tests: plain Keras, made right where it is not.
+
+Keras 3's optimizers apply an Embedding's `tf.IndexedSlices` gradient slice by
+slice, so a row looked up several times has each part squared on its own by
+Adam and the like (docs/accumulation.md, "Sparse gradients"): plain sparse
+Keras 3 is not the whole batch's update. The oracle is plain Keras with the
+gradient made dense before the optimizer sees it, which is the batch's
+mathematical gradient (tf_keras sums the rows itself, so there it changes
+nothing).
+"""
+
+import tensorflow as tf
+
+from keras_memopt._keras import LEGACY
+
+
+def _dense(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
+def dense_gradients(optimizer):
+    """`optimizer`, applying every `tf.IndexedSlices` gradient as a dense tensor."""
+    if LEGACY:
+        apply_gradients = optimizer.apply_gradients
+
+        def dense_apply_gradients(grads_and_vars, *args, **kwargs):
+            pairs = [(_dense(g), v) for g, v in grads_and_vars]
+            return apply_gradients(pairs, *args, **kwargs)
+
+        optimizer.apply_gradients = dense_apply_gradients
+        return optimizer
+    apply = optimizer.apply
+
+    def dense_apply(grads, trainable_variables=None):
+        return apply([_dense(g) for g in grads], trainable_variables)
+
+    optimizer.apply = dense_apply
+    return optimizer
