@@ -102,18 +102,28 @@ class TestPlan:
         assert "estimated from shapes alone" in table
         assert "(1 micro-batch of a batch of 64)" in table
 
+    def test_table_says_the_data_set_is_not_in_its_figures(self, keras_module):
+        table = MemoryPlanner(_mlp(keras_module)).plan(64, "1GiB").table()
+        assert "one train step's: parameters, optimizer slots, gradients" in table
+        assert "not the data set, which `fit` holds beside the step" in table
+
     def test_bad_batch_size_is_refused(self, keras_module):
         with pytest.raises(ValueError, match="Received: batch_size=0"):
             MemoryPlanner(_mlp(keras_module)).plan(0, "1GiB")
 
 
 class TestProfile:
-    def test_profile_calibrates_without_touching_the_model(self, keras_module):
+    def test_profile_calibrates_without_touching_the_model(self, keras_module, capsys):
         model = _mlp(keras_module, width=256)
         weights = [w.copy() for w in model.get_weights()]
         # In this process: isolation has tests of its own.
         planner = MemoryPlanner(model, optimizer="adam", device="CPU:0", isolate=False)
-        measured = planner.profile((8, 32))
+        measured = planner.profile((8, 32), verbose=1)
+        said = capsys.readouterr().out.splitlines()
+        assert [line.split(":")[0] for line in said] == [
+            "measured micro-batch 8 of a batch of 8 on CPU",
+            "measured micro-batch 32 of a batch of 32 on CPU",
+        ]
         for before, after in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(before, after)
         # At a measured size the calibrated estimate is the measurement (bytes, 1% slack).
@@ -123,6 +133,11 @@ class TestProfile:
             np.testing.assert_allclose(estimate.peak, peak, rtol=0.01)
         # Measured peaks include at least parameters, slots and one set of gradients.
         assert min(measured.values()) >= 4 * planner.estimate(8).parameters * 0.95
+
+    def test_profile_here_needs_allocator_figures(self, keras_module):
+        planner = MemoryPlanner(_mlp(keras_module), device="GPU:7", isolate=False)
+        with pytest.raises(RuntimeError, match=r"no memory figures.*Received: device='GPU:7'"):
+            planner.profile((1, 2))
 
     def test_profile_needs_two_sizes(self, keras_module):
         with pytest.raises(ValueError, match="at least two distinct"):

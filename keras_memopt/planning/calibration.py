@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+__all__ = ["Calibration"]
+
 
 @dataclasses.dataclass
 class Calibration:

@@ -11,6 +11,15 @@ from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
 keras = K.keras
 
+__all__ = [
+    "MemoryEstimate",
+    "WeightBytes",
+    "input_bytes_per_sample",
+    "known_inputs",
+    "layer_table",
+    "optimizer_slot_copies",
+]
+
 # Optimizer state per trainable variable, in copies of the variable, by class
 # name; `None` means "read the optimizer's configuration".
 _SLOTS = {
@@ -205,6 +214,21 @@ class MemoryEstimate:
     activations: int
     overhead: int = 0
     calibrated: bool = False
+
+    @classmethod
+    def of_step(cls, weights: WeightBytes, batch_size, micro_batch_size, input_batch,
+                activations) -> MemoryEstimate:
+        """The shapes-only estimate: `weights`' parts, and the batch's and activations' bytes."""
+        return cls(
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            parameters=weights.parameters,
+            optimizer_slots=weights.optimizer_slots,
+            gradient_accumulators=weights.gradient_accumulators,
+            micro_gradients=weights.micro_gradients,
+            input_batch=input_batch,
+            activations=activations,
+        )
 
     @property
     def peak(self) -> int:

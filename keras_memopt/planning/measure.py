@@ -20,6 +20,15 @@ from keras_memopt import _subprocess
 
 keras = K.keras
 
+__all__ = [
+    "CannotIsolate",
+    "measure_in_child",
+    "measure_isolated",
+    "measure_step",
+    "synthetic_batch",
+    "training_copy",
+]
+
 
 class CannotIsolate(Exception):
     """The model cannot be measured in a fresh process; `str()` says why."""
@@ -63,12 +72,15 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
 
     Bytes over what was in use before the copy was made, so the copy's
     parameters and optimizer slots count; None if it ran out of memory.
+
+    Raises:
+        RuntimeError: if `device` gives no allocator figures.
     """
     from keras_memopt._oom_errors import is_oom
 
     x, y = synthetic_batch(source, batch)
     gc.collect()
-    before = tf.config.experimental.get_memory_info(device)["current"]
+    before = _memory_in_use(device)
     model = None
     # Every copy traces its own step functions: TensorFlow's retracing
     # warning would be noise here.
@@ -94,6 +106,18 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
         logger.setLevel(level)
         del model
         gc.collect()
+
+
+def _memory_in_use(device):
+    try:
+        return tf.config.experimental.get_memory_info(device)["current"]
+    except ValueError as error:
+        raise RuntimeError(
+            f"`profile()` reads TensorFlow's allocator peak on {device}, which "
+            "gives no memory figures there. On a CPU, set "
+            "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts. "
+            f"Received: device={device!r}"
+        ) from error
 
 
 def measure_isolated(model, optimizer, batch, micro, device) -> int | None:

@@ -2,88 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 import warnings
 
-import tensorflow as tf
-
 from keras_memopt import _keras as K
+from keras_memopt._io import print_msg
 from keras_memopt._validation import positive_int
-from keras_memopt.memory import format_bytes, parse_bytes
+from keras_memopt.memory import default_device, format_bytes, parse_bytes
 from keras_memopt.planning import estimate as _estimate
 from keras_memopt.planning import measure as _measure
 from keras_memopt.planning.calibration import Calibration
+from keras_memopt.planning.plan import (
+    MEASURED_MARGIN,
+    SHAPES_ONLY_MARGIN,
+    MemoryPlan,
+    choose_micro_batch,
+    measured_choice,
+)
+
+__all__ = ["MEASURED_MARGIN", "SHAPES_ONLY_MARGIN", "MemoryPlan", "MemoryPlanner"]
 
 keras = K.keras
-
-# The share of the budget to keep free when the figures come from shapes
-# alone. Shapes miss TensorFlow's own working memory, most of all the CPU
-# convolution kernels': benchmarks/planner_accuracy.py's small CNN (README,
-# "Planner accuracy", one inter-op thread) peaked up to 3.0 times its
-# shapes-only estimate (54.7 MiB measured, 18.3 estimated, batch 64), and
-# with TensorFlow's default threading, which is how training runs, up to 4.7
-# times (85.5 MiB measured in fresh processes; 2 cores, 2026-11). An
-# estimate kept within a fifth of the budget keeps that promise.
-SHAPES_ONLY_MARGIN = 0.8
-# After measuring near the recommendation, the same setting's peak still
-# spreads from process to process (up to 16% on the CPU, one inter-op thread).
-MEASURED_MARGIN = 0.1
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    """A recommended micro-batch setting for a batch size and a budget.
-
-    Args:
-        batch_size: int, the effective batch planned for.
-        budget: int, the memory available, in bytes.
-        micro_batch_size: int, the recommended samples per micro-batch.
-        remat: str or None, the recommended `remat` setting.
-        estimate: `MemoryEstimate` of the recommended setting; its
-            `calibrated` says whether the peak was measured or counted from
-            shapes alone.
-        fits: bool, whether the estimate fits the budget less its margin.
-        note: str, what else the plan has to say.
-    """
-
-    batch_size: int
-    budget: int
-    micro_batch_size: int | None
-    remat: str | None
-    estimate: _estimate.MemoryEstimate
-    fits: bool
-    note: str = ""
-
-    def table(self) -> str:
-        """The plan as a readable text table."""
-        rows = self.estimate.rows()
-        width = max(len(name) for name, _ in rows) + 2
-        lines = [f"{name:<{width}}{format_bytes(size):>12}" for name, size in rows]
-        lines.append(f"{'budget':<{width}}{format_bytes(self.budget):>12}")
-        lines.append("")
-        lines.append(
-            f"recommendation: micro_batch_size={self.micro_batch_size}, remat={self.remat!r}"
-            + self._split()
-        )
-        if not self.estimate.calibrated:
-            lines.append(
-                "The peak is estimated from shapes alone: TensorFlow's own working "
-                "memory is not in it (on a CPU, a small CNN's true peak was up to "
-                "4.7 times such an estimate). Measure it: `plan(..., profile=True)`, "
-                "or `keras-memopt plan` without `--no-profile`."
-            )
-        if self.note:
-            lines.append(self.note)
-        return "\n".join(lines)
-
-    def _split(self):
-        if not self.micro_batch_size:
-            return ""
-        steps = math.ceil(self.batch_size / self.micro_batch_size)
-        unit = "micro-batch" if steps == 1 else "micro-batches"
-        return f"  ({steps} {unit} of a batch of {self.batch_size})"
 
 
 class MemoryPlanner:
@@ -117,6 +56,13 @@ class MemoryPlanner:
     subclassed model without `get_config`, a custom layer the subprocess
     cannot import) are measured in this process instead, with a warning. On
     a GPU, measurements run in this process: it holds the GPU's memory.
+
+    What it covers: one train step, the parameters, the optimizer's slots,
+    the gradients, the input batch and the activations. Not the data set:
+    NumPy arrays passed to `fit` become tensors that TensorFlow's allocator
+    holds while `fit` runs, beside the step. So `MemoryLogger`, which reads
+    the allocator, reads more on the same model (measured on a CPU: each MiB
+    of `x` added 1.3 to 1.5 MiB).
 
     Peaks are not exactly reproducible even so: on a CPU, the same step's
     peak in fresh processes spread by up to 31% (a small CNN, default
@@ -219,16 +165,9 @@ class MemoryPlanner:
         batch_size = positive_int("batch_size", batch_size)
         micro = batch_size if micro_batch_size is None else micro_batch_size
         micro = min(positive_int("micro_batch_size", micro), batch_size)
-        weights = _estimate.WeightBytes.of(self.model, self.optimizer)
-        estimate = _estimate.MemoryEstimate(
-            batch_size=batch_size,
-            micro_batch_size=micro,
-            parameters=weights.parameters,
-            optimizer_slots=weights.optimizer_slots,
-            gradient_accumulators=weights.gradient_accumulators,
-            micro_gradients=weights.micro_gradients,
-            input_batch=batch_size * self.input_bytes_per_sample,
-            activations=micro * self.activation_bytes_per_sample,
+        estimate = _estimate.MemoryEstimate.of_step(
+            _estimate.WeightBytes.of(self.model, self.optimizer), batch_size, micro,
+            batch_size * self.input_bytes_per_sample, micro * self.activation_bytes_per_sample,
         )
         if self._calibration is not None:
             estimate.overhead = int(self._calibration.peak_at(batch_size, micro)) - estimate.peak
@@ -297,7 +236,7 @@ class MemoryPlanner:
         return measured
 
     def _profile_device(self):
-        return self.device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
+        return self.device or default_device()
 
     def _isolated(self, device):
         return ("GPU" not in device.upper()) if self.isolate is None else self.isolate
@@ -323,16 +262,14 @@ class MemoryPlanner:
                 self._cannot_isolate = reason  # the next sizes go straight here
                 isolated = False
         if not isolated:
-            _check_allocator_figures(device)
             peak = _measure.measure_step(self.model, self.optimizer, batch, micro, device)
         self._calibration.record(batch, micro, peak)
         if verbose:
             figure = "out of memory" if peak is None else f"peak {format_bytes(peak)}"
-            print(
+            print_msg(
                 f"measured micro-batch {micro} of a batch of {batch} on {device}: {figure} "
                 f"({time.perf_counter() - started:.1f} s, "
-                f"{'in a fresh process' if isolated else 'in this process'})",
-                flush=True,
+                f"{'in a fresh process' if isolated else 'in this process'})"
             )
         return peak
 
@@ -447,47 +384,14 @@ class MemoryPlanner:
                     break  # larger sizes will not fit either
 
     def _measured_choice(self, batch_size, micro, usable):
-        # Measurements are noisy: when the rounds did not settle, prefer the
-        # largest measured size that fitted.
-        points = self._calibration.points
-        fitting = [
-            m for (b, m), peak in points.items()
-            if b == batch_size and m <= micro and peak <= usable
-        ]
-        if (batch_size, micro) not in points and fitting:
-            return max(fitting)
-        return micro
+        return measured_choice(self._calibration.points, batch_size, micro, usable)
 
     def _choose(self, batch_size, usable):
         """The micro-batch size to recommend, or None when one sample does not fit."""
         high = batch_size
         if self._calibration is not None:
             high = min(high, self._calibration.out_of_memory_at(batch_size) - 1)
-        if high < 1 or self.estimate(batch_size, 1).peak > usable:
-            return None
-        low = 1  # the peak grows with the micro-batch size
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.estimate(batch_size, middle).peak <= usable:
-                low = middle
-            else:
-                high = middle - 1
-        even = max(d for d in _divisors(batch_size) if d <= low)
-        return even if even * 2 > low else low
+        return choose_micro_batch(
+            lambda micro: self.estimate(batch_size, micro).peak, batch_size, usable, high
+        )
 
-
-def _check_allocator_figures(device):
-    try:
-        tf.config.experimental.get_memory_info(device)
-    except ValueError as error:
-        raise RuntimeError(
-            f"`profile()` reads TensorFlow's allocator peak on {device}, which "
-            "gives no memory figures there. On a CPU, set "
-            "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts. "
-            f"Received: device={device!r}"
-        ) from error
-
-
-def _divisors(n):
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
