@@ -30,6 +30,8 @@ import time
 from keras_memopt import _subprocess
 from keras_memopt._validation import positive_int_argument
 
+__all__ = ["DEFAULTS", "build_parser", "main", "train"]
+
 DEFAULTS = dict(
     batch_size=8192,
     micro_batch_size=512,

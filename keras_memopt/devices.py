@@ -15,6 +15,8 @@ import tensorflow as tf
 from keras_memopt._validation import positive_int
 from keras_memopt.memory import MIB, NvmlUnavailable, nvml, nvml_handle_of_tf_gpu, parse_bytes
 
+__all__ = ["configure_devices"]
+
 _ALLOCATORS = ("cuda_malloc_async", "bfc")
 
 
@@ -40,7 +42,7 @@ def configure_devices(
     - `logical_devices=n` splits each chosen GPU into n logical devices
       (`"GPU:0"`, `"GPU:1"`, ...) so that two models can train side by side;
       with `memory_limit` each part gets the limit, otherwise the GPU's
-      memory (read with NVML, `pip install keras_memopt[nvml]`) is shared
+      memory (read with NVML, `pip install "keras_memopt[nvml]"`) is shared
       evenly among them, as TensorFlow requires a limit.
     - `allocator="cuda_malloc_async"` sets `TF_GPU_ALLOCATOR` to CUDA's
       stream-ordered allocator, which fights fragmentation; `"bfc"` restores
