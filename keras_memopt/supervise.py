@@ -30,8 +30,9 @@ from `KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE`.
 
 The supervisor's own messages (a restart, why it does not restart) go to
 standard error, beside the training process's output, which passes through
-untouched; `supervise(..., verbose=0)` says nothing. The supervisor does not
-import TensorFlow: it would hold memory the training process needs.
+untouched; `supervise(..., verbose=0)` says nothing. `keras-memopt run` loads
+no TensorFlow in its own process, where it would hold memory the training
+process needs.
 
 Example:
 
