@@ -7,6 +7,7 @@ Everything that differs between the two lines lives here, so the rest of the
 package is written once.
 """
 
+import contextlib
 import os
 import warnings
 
@@ -108,6 +109,40 @@ def compiled_loss(model, y, y_pred, sample_weight, terms):
 def additional_loss(model, term):
     """A term of `model.losses` as Keras 3 adds it to the loss (scaled for replicas)."""
     return model._aggregate_additional_loss(term)
+
+
+def get_mask(tensor):
+    """The Keras mask a tensor carries (an `Embedding(mask_zero=True)`'s), or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
+def set_mask(tensor, mask):
+    """Attaches a Keras mask to a tensor, as both lines' layers do."""
+    tensor._keras_mask = mask
+    return tensor
+
+
+def clear_losses(model):
+    """Forgets the `add_loss` terms of the model's last call (their tensors may
+    live in a loop that has ended); weight regularisers stay in `model.losses`."""
+    model._clear_losses()
+
+
+@contextlib.contextmanager
+def losses_replaced(model, terms):
+    """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
+
+    For a loss evaluated once on the whole batch's outputs
+    (`whole_batch_loss`), whose `add_loss` terms were added up over the
+    micro-batches. tf_keras has no such hook (`whole_batch_loss` with an
+    overridden `compute_loss` is refused there).
+    """
+    saved = model._losses_override
+    model._losses_override = list(terms)
+    try:
+        yield
+    finally:
+        model._losses_override = saved
 
 
 def output_loss_trackers(model):

@@ -1,14 +1,16 @@
-"""Each micro-batch's exact share of the batch's loss.
+"""Each micro-batch's exact share of the batch's loss, and the loss of a whole batch.
 
 Keras divides a loss by a count of the batch: its samples (the default
 `"sum_over_batch_size"` reduction), or, when the model's output carries a mask
-(`Embedding(mask_zero=True)`, `Masking`), its unmasked elements. Run on a
-micro-batch, the same loss is divided by the micro-batch's own count, so its
-share of the batch's loss is its count over the batch's:
+(`Embedding(mask_zero=True)`, `Masking`) or the loss ignores a class
+(`SparseCategoricalCrossentropy(ignore_class=...)`), the elements left
+(unmasked and not ignored). Run on a micro-batch, the same loss is divided by
+the micro-batch's own count, so its share of the batch's loss is its count
+over the batch's:
 
-- an output without a mask: `n_i / N` (samples);
-- an output with a mask: `valid_i / valid` (unmasked elements; the batch's
-  `valid` is counted before the loop, by `AccumulatingModel`);
+- an output without a mask or an ignored class: `n_i / N` (samples);
+- otherwise: `valid_i / valid` (elements left; the batch's `valid` is counted
+  before the loop, by `AccumulatingModel`);
 - a term of `model.losses` (`add_loss`, activity and weight regularisers):
   `n_i / N` when it averages over samples or does not depend on them, and `1`
   when it sums over them (the micro-batches' sums add up to the batch's).
@@ -16,8 +18,8 @@ share of the batch's loss is its count over the batch's:
 The shares enter Keras's own loss computation as sample weights (scalars, so
 they broadcast onto any loss shape), so losses, masks, class and sample
 weights, `loss_weights` and distribution scaling stay Keras's. What each term
-does with the samples is found once, at the first step (`LossSplit.check`), by
-evaluating the model on two samples and on the same two samples repeated.
+does with the samples, and which class each output's loss ignores, is found
+once, at the first step (`keras_memopt._loss_check`).
 
 Keras 3 updates each per-output loss tracker with the batch's *static* first
 dimension, unknown inside the loop (so each micro-batch counts as one); the
@@ -25,153 +27,94 @@ trackers are set after the loop to what one update with the whole batch gives
 (`OutputLossTrackers`). tf_keras weights them by the dynamic micro-batch size, so
 there its micro-batch losses are expressed per sample of the micro-batch and
 the step weights their total by `n_i / N` instead.
+
+With `whole_batch_loss=True` the loss of the outputs is evaluated once, on
+the whole batch's outputs (`LossSplit.whole_batch_loss`), and only the terms
+of `model.losses` are split.
 """
 
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras, _loop
-
-MEAN, SUM = "mean", "sum"
-
-# float32 evaluation of the same per-sample terms in another order.
-_PROBE_RTOL = 1e-4
-
-
-def output_masks(y_pred) -> list:
-    """The Keras mask of each (flat) output, or None where it has none."""
-    return [getattr(t, "_keras_mask", None) for t in tf.nest.flatten(y_pred)]
-
-
-def valid_counts(y_pred) -> tf.Tensor:
-    """Unmasked elements per output (0 for outputs without a mask), float32."""
-    counts = [
-        tf.zeros([]) if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
-        for mask in output_masks(y_pred)
-    ]
-    return tf.stack(counts) if counts else tf.zeros([0])
-
-
-def _overrides(model, name):
-    return getattr(type(model), name) is not getattr(_keras.keras.Model, name)
+from keras_memopt._loss_check import SUM, LossForm, check, has_compiled_loss, overrides
 
 
 class LossSplit:
     """How `model`'s loss splits over micro-batches.
 
-    `terms` holds, per term of `model.losses`, `MEAN` or `SUM` (see the module
-    docstring); `check()` fills it in at the first step.
+    `form` (a `keras_memopt._loss_check.LossForm`) is found by `check()` at the
+    first step: the kind of each term of `model.losses`, and the class each
+    output's loss ignores.
     """
 
     def __init__(self, model):
         self.model = model
-        self.terms: tuple[str, ...] | None = None
+        self.form: LossForm | None = None
 
-    # -- the first step: what the loss terms do with the samples -------------------
+    def check(self, data, whole_batch_loss=False):
+        """Finds `form` on the first batch (once); raises for losses it cannot split."""
+        if self.form is None:
+            self.form = check(self.model, data, whole_batch_loss)
 
-    def check(self, data):
-        """Classifies the loss terms on the first batch; raises for terms it cannot split.
+    def divisor_masks(self, y, y_pred) -> list:
+        """Per flat output, what Keras divides its loss by: its mask, and'ed with
+        the elements its loss does not ignore; None where it counts samples."""
+        masks = output_masks(y_pred) if y_pred is not None else []
+        ignored = (self.form or LossForm()).ignore_classes
+        if not ignored:
+            return masks
+        targets = _flat_targets(y, len(ignored))
+        masks = masks or [None] * len(ignored)
+        for index, ignore in enumerate(ignored):
+            if ignore is None or targets[index] is None:
+                continue
+            kept = tf.not_equal(targets[index], tf.cast(ignore, targets[index].dtype))
+            mask = masks[index]
+            if mask is not None:
+                kept = tf.logical_and(tf.reshape(kept, tf.shape(mask)), tf.cast(mask, tf.bool))
+            masks[index] = kept
+        return masks
 
-        Runs eagerly, in inference mode, on the first two samples of `data` and
-        on the same samples twice each; model state (metrics included) is left
-        as it was. On tf_keras it also creates the variables the first traced
-        step would create (`_keras.build_step_state`), so that step is traced once.
-        """
-        if self.terms is not None:
-            return
-        model = self.model
-        x, y, _ = _keras.unpack_x_y_sample_weight(data)
-        if not [t for t in tf.nest.flatten(x) if t is not None]:
-            self.terms = ()
-            return
-        pair = _first_samples(x, 2), _first_samples(y, 2)
-        twice = _repeat(pair[0]), _repeat(pair[1])
-        _keras.build_step_state(model, *pair)
-        metrics = list(model.metrics)
-        saved = [[v.numpy() for v in m.variables] for m in metrics]
-        try:
-            once, doubled = self._probe(pair), self._probe(twice)
-        finally:
-            for metric in model.metrics:  # the loss trackers may be new
-                metric.reset_state()
-            for metric, values in zip(metrics, saved, strict=True):
-                for variable, value in zip(metric.variables, values, strict=True):
-                    variable.assign(value)
-        compiled = MEAN if np.isnan(once[0]) else _kind(once[0], doubled[0])
-        if compiled != MEAN:
-            raise ValueError(
-                "AccumulatingModel needs compiled losses that average over the "
-                "samples of a batch, so that micro-batches weighted by their "
-                "share of the batch add up to the batch's loss; this one "
-                f"{_what(once[0], doubled[0])}. Return one loss value per sample "
-                "from a loss function (Keras averages them), or use a "
-                "`keras.losses.Loss` with the default reduction. Received: "
-                f"loss={getattr(model, 'loss', None)!r}"
-            )
-        kinds = [_kind(a, b) for a, b in zip(once[1:], doubled[1:], strict=True)]
-        for index, kind in enumerate(kinds):
-            if kind is None:
-                what = _what(once[1 + index], doubled[1 + index])
-                raise ValueError(
-                    "AccumulatingModel cannot split a loss term over micro-batches "
-                    f"exactly: term {index} of `model.losses` {what}, neither the "
-                    "same (a mean over samples) nor twice as large (a sum). Add it "
-                    "as separate terms, one that sums over samples and one that "
-                    f"does not. Received: model.losses[{index}]"
-                )
-        self.terms = tuple(kinds)
-
-    def _probe(self, data):
-        """`_evaluate(*data)` in a replica's context (where Keras updates its
-        loss trackers), as a list; Keras's warnings come from the step, once."""
-        strategy = self.model.distribute_strategy
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            values = strategy.run(self._evaluate, args=data)
-        return strategy.experimental_local_results(values)[0].numpy().tolist()
-
-    def _evaluate(self, x, y):
-        """[compiled loss (NaN if none), each term of `model.losses`] on one batch."""
-        model = self.model
-        y_pred = model(x, training=False)
-        terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
-        compiled = tf.constant(float("nan"))
-        if y is not None and not _overrides(model, "compute_loss") and _has_compiled_loss(model):
-            compiled = tf.cast(_keras.compiled_loss(model, y, y_pred, None, []), tf.float32)
-        return tf.stack([compiled, *terms])
-
-    # -- in the step ------------------------------------------------------------------
+    def counted_by(self, y, y_pred) -> str | None:
+        """What the batch's counts need: "outputs" (a forward pass: an output
+        carries a mask), "targets" (an ignored class only), or None (samples)."""
+        if any(mask is not None for mask in output_masks(y_pred)):
+            return "outputs"
+        if any(mask is not None for mask in self.divisor_masks(y, None)):
+            return "targets"
+        return None
 
     def batch_counts(self, forward, data, size, jit_compile=False):
-        """Unmasked elements per output over the whole batch: a forward pass, inference mode.
+        """What Keras divides each output's loss by, over the whole batch (0: samples).
 
-        Run micro-batch by micro-batch before the loop, when an output
-        carries a mask (see the module docstring).
+        Run micro-batch by micro-batch before the loop, with a forward pass
+        in inference mode when an output carries a mask; from the targets
+        alone when only an ignored class counts.
         """
 
         def count(micro):
-            return valid_counts(forward(micro[0], training=False))
+            x, y, _ = micro
+            y_pred = forward(x, training=False) if forward is not None else None
+            return _counts(self.divisor_masks(y, y_pred))
 
         return _loop.accumulate(count, data, size, jit_compile=jit_compile)
 
     def micro_batch_loss(self, x, y, y_pred, sample_weight, batch_size, valid, training):
         """The micro-batch's contribution to the batch's loss (what its gradient is taken of).
 
-        `batch_size` is the batch's number of samples and `valid` its unmasked
-        elements per output (see `valid_counts`).
+        `batch_size` is the batch's number of samples and `valid` what Keras
+        divides each output's loss by over the batch (`batch_counts`).
         """
         model = self.model
         n = tf.cast(_loop.batch_size_of((x, y, sample_weight)), tf.float32)
         share = n / tf.cast(batch_size, tf.float32)
-        if _overrides(model, "compute_loss") or not _has_compiled_loss(model):
+        if overrides(model, "compute_loss") or not has_compiled_loss(model):
             # A user's own loss: exact when it averages over samples.
             loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
-        masks = output_masks(y_pred)
+        masks = self.divisor_masks(y, y_pred)
         if _keras.LEGACY:
             # Per sample of the micro-batch (see the module docstring).
             shares = [
@@ -194,8 +137,8 @@ class LossSplit:
         return loss
 
     def _term(self, term, index, mean_share, sum_share):
-        kinds = self.terms or ()
-        kind = kinds[index] if index < len(kinds) else MEAN
+        kinds = (self.form or LossForm()).terms
+        kind = kinds[index] if index < len(kinds) else None
         term = tf.reduce_sum(tf.cast(term, tf.float32))
         return term * (sum_share if kind == SUM else mean_share)
 
@@ -226,10 +169,6 @@ def _scaled(sample_weight, share):
     return tf.cast(sample_weight, tf.float32) * share
 
 
-def _has_compiled_loss(model):
-    return _keras.compiled_loss_container(model) is not None
-
-
 class OutputLossTrackers:
     """Sets Keras 3's per-output loss trackers after the loop to one update with the batch.
 
@@ -253,27 +192,23 @@ class OutputLossTrackers:
             tracker.update_state(loss, sample_weight=weight)
 
 
-# -- the probe's data -------------------------------------------------------------
+def output_masks(y_pred) -> list:
+    """The Keras mask of each (flat) output, or None where it has none."""
+    return [_keras.get_mask(t) for t in tf.nest.flatten(y_pred)]
 
 
-def _first_samples(data, count):
-    return tf.nest.map_structure(lambda t: None if t is None else t[:count], data)
+def _counts(masks) -> tf.Tensor:
+    """Elements kept by each mask (0 where there is none), float32."""
+    counts = [
+        tf.zeros([]) if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
+        for mask in masks
+    ]
+    return tf.stack(counts) if counts else tf.zeros([0])
 
 
-def _repeat(data):
-    return tf.nest.map_structure(lambda t: None if t is None else tf.concat([t, t], 0), data)
-
-
-def _kind(once, twice):
-    """MEAN if a value stays when every sample is repeated, SUM if it doubles, else None."""
-    tolerance = _PROBE_RTOL * max(abs(once), abs(twice), 1e-12)
-    if abs(twice - once) <= tolerance:
-        return MEAN
-    if abs(twice - 2 * once) <= tolerance:
-        return SUM
-    return None
-
-
-def _what(once, twice):
-    ratio = twice / once if once else np.inf
-    return f"went from {once:.6g} to {twice:.6g} (x{ratio:.3g}) when every sample was repeated"
+def _flat_targets(y, outputs):
+    """The targets of each flat output (as Keras pairs them for the usual structures)."""
+    if not tf.nest.is_nested(y):
+        return [y] * outputs
+    flat = tf.nest.flatten(y)
+    return flat if len(flat) == outputs else [None] * outputs

@@ -47,10 +47,6 @@ def _update_counters(model):
     return counters
 
 
-def _has_masks(y_pred) -> bool:
-    return any(mask is not None for mask in _losses.output_masks(y_pred))
-
-
 class MicroBatchSteps:
     """The steps of `AccumulatingModel` (a mixin: see that class)."""
 
@@ -149,26 +145,28 @@ class MicroBatchSteps:
         self._build_before_loop(x)
         return x, y, sample_weight
 
-    def _micro_batch_pass(self, micro_step, data, batch_size, masked):
+    def _micro_batch_pass(self, micro_step, data, batch_size, counted_by):
         """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
         The pass `train_step` and `test_step` share. `micro_step` returns the
-        micro-batch's share of the loss first, and appends to `masked` whether
-        the outputs carry masks (known once it is traced, before the loop is
-        built). `counts` are what Keras divides each output's loss by, over the
-        whole batch: counted in a first pass when an output carries a mask
-        (see `keras_memopt._losses`). Returns the summed outputs and the scale
-        that turns this replica's loss into its mean.
+        micro-batch's share of the loss first, and appends to `counted_by` what
+        Keras's counts need (`LossSplit.counted_by`, known once it is traced,
+        before the loop is built). `counts` are what Keras divides each
+        output's loss by, over the whole batch: counted in a first pass when an
+        output carries a mask or its loss ignores a class (see
+        `keras_memopt._losses`). Returns the summed outputs and the scale that
+        turns this replica's loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
         size = self._setting.size_tensor(replica_batch)
         jit = self._micro_batch_jit_compile
         no_counts = tf.zeros([0])
         traced = _loop.micro_function(micro_step, data, no_counts, jit_compile=jit)
-        counts = no_counts
-        if masked[-1]:
-            counts = self._loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
         trackers = _losses.OutputLossTrackers(self)
+        counts = no_counts
+        if counted_by[-1] is not None:
+            forward = self._forward if counted_by[-1] == "outputs" else None
+            counts = self._loss_split.batch_counts(forward, data, size, jit_compile=jit)
         outputs = _loop.accumulate(micro_step, data, size, counts, traced=traced)
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
@@ -190,14 +188,14 @@ class MicroBatchSteps:
         variables = self.trainable_variables
         counters = _update_counters(self)
         starts = [counter.read_value() for counter in counters]
-        masked = []
+        counted_by = []
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             restarts = [c.assign(s) for c, s in zip(counters, starts, strict=True)]
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
                 y_pred = self._forward(micro_x, training=True)
-                masked.append(_has_masks(y_pred))
+                counted_by.append(self._loss_split.counted_by(micro_y, y_pred))
                 loss = self._loss_split.micro_batch_loss(
                     micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=True
                 )
@@ -207,7 +205,7 @@ class MicroBatchSteps:
             return tf.cast(loss, tf.float32), gradients
 
         (loss, gradients), scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, masked
+            micro_step, (x, y, sample_weight), batch_size, counted_by
         )
         return loss * scale, replica_batch, gradients
 
@@ -231,12 +229,12 @@ class MicroBatchSteps:
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
-        masked = []
+        counted_by = []
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             y_pred = self._forward(micro_x, training=False)
-            masked.append(_has_masks(y_pred))
+            counted_by.append(self._loss_split.counted_by(micro_y, y_pred))
             loss = self._loss_split.micro_batch_loss(
                 micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
@@ -244,7 +242,7 @@ class MicroBatchSteps:
             return tf.cast(loss, tf.float32)
 
         loss, scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, masked
+            micro_step, (x, y, sample_weight), batch_size, counted_by
         )
         return loss * scale, replica_batch
 

@@ -214,6 +214,18 @@ def positions_model(cls, **kwargs):
     return cls(tokens, layers.Dense(3)(x), **kwargs)
 
 
+def unmasked_tagger(cls, **kwargs):
+    """A tagger whose padding is not masked: only the loss's `ignore_class` drops it."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = layers.Embedding(VOCAB, 8)(tokens)
+    return cls(tokens, layers.Dense(5)(layers.Dense(8, activation="tanh")(x)), **kwargs)
+
+
+def ignore_class_ce():
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    return dict(loss=loss, metrics=["accuracy"])
+
+
 def summed_add_loss(cls, **kwargs):
     inputs = keras.Input((6,))
     hidden = SumRegularizer()(layers.Dense(8, activation="tanh")(inputs))
@@ -279,6 +291,12 @@ CASES = {
         bag_of_words, bag_data, lambda: keras.optimizers.RMSprop(0.01), micro=dict()
     ),
     "positions-adam": Case(positions_model, text_data, lambda: keras.optimizers.Adam(0.02)),
+    "tagger-ignore-class-sgd": Case(
+        unmasked_tagger, tagger_data, lambda: keras.optimizers.SGD(0.5), compile=ignore_class_ce
+    ),
+    "rnn-tagger-masked-ignore-class-adam": Case(
+        rnn_tagger, tagger_data, lambda: keras.optimizers.Adam(0.01), compile=ignore_class_ce
+    ),
     "cnn-class-weight": Case(
         cnn, cnn_data, lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         fit=dict(class_weight={0: 0.5, 1: 2.0, 2: 1.0}),
@@ -370,7 +388,8 @@ class TestWhatCannotBeSplit:
         model = mlp(AccumulatingModel, micro_batch_size=4)
         model.compile("sgd", summed)
         y = np.eye(3, dtype="float32")[y]
-        self._refused(model, x, y, r"average over the samples.*\(x2\) when every sample")
+        match = r"mean of per-sample terms.*\(x2\) when every sample.*whole_batch_loss=True"
+        self._refused(model, x, y, match)
 
     def test_add_loss_that_neither_sums_nor_averages(self):
         class Squared(layers.Layer):

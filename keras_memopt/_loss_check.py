@@ -1,0 +1,214 @@
+"""What a model's loss does with the samples of a batch: found once, at the first step.
+
+Micro-batches weighted by their share of the batch add up to the batch's loss
+when the loss is a mean of per-sample terms. `check(model, data)` finds out,
+on the first two samples of the first batch (`x2`) and on the same samples
+repeated (`x2 + x2`), in inference mode and with no state left changed:
+
+- the loss of the outputs (compiled, or the model's own `compute_loss`) is
+  evaluated twice on *one* forward pass, its outputs repeated: a mean over
+  samples keeps its value. So a layer that draws random numbers in inference
+  mode too (a VAE's sampling layer) cannot make the two differ. A loss that
+  does not keep it couples the samples (a sum, a contrastive loss whose
+  negatives are the batch's other rows): refused, unless the model trains
+  with `whole_batch_loss=True`, which evaluates it once on the whole batch;
+- each term of `model.losses` (`add_loss`, activity and weight
+  regularisers) comes from its own forward pass: `MEAN` when it keeps its
+  value on the repeated samples (or does not depend on them), `SUM` when it
+  doubles; neither is refused. A term that differs between two passes over
+  the same samples draws random numbers: it is classified by the nearer of
+  the two, within the spread of its draws;
+- the `ignore_class` of each output's loss (`SparseCategoricalCrossentropy`),
+  from its config: Keras divides such a loss by the elements not ignored, so
+  the micro-batches' shares count those (`keras_memopt._losses`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from keras_memopt import _keras, _rollback
+
+MEAN, SUM = "mean", "sum"
+
+# float32 evaluation of the same per-sample terms in another order.
+_PROBE_RTOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class LossForm:
+    """What `check` found: one kind per term of `model.losses`, one
+    `ignore_class` (or None) per flat output."""
+
+    terms: tuple[str, ...] = ()
+    ignore_classes: tuple = ()
+
+
+def overrides(model, name) -> bool:
+    """Whether `model`'s class overrides `keras.Model.<name>`."""
+    return getattr(type(model), name) is not getattr(_keras.keras.Model, name)
+
+
+def has_compiled_loss(model) -> bool:
+    return _keras.compiled_loss_container(model) is not None
+
+
+def check(model, data, whole_batch_loss=False) -> LossForm:
+    """Classifies the loss on the first batch; raises for what cannot be split.
+
+    Raises:
+        ValueError: for a loss of the outputs that does not average over
+            the samples (unless `whole_batch_loss`), or a term of
+            `model.losses` that neither averages nor sums over them.
+    """
+    x, y, _ = _keras.unpack_x_y_sample_weight(data)
+    if not [t for t in tf.nest.flatten(x) if t is not None]:
+        return LossForm()
+    pair = _first_samples(x, 2), _first_samples(y, 2)
+    twice = _repeat(pair[0]), _repeat(pair[1])
+    _keras.build_step_state(model, *pair)
+    # What the probes change (metrics, random seeds, counters) is put back.
+    snapshot = _rollback.Snapshot(
+        lambda: _rollback.loop_variables(model), model.distribute_strategy
+    )
+    taken = snapshot.take()
+    try:
+        once, again, doubled = _probe(model, pair), _probe(model, pair), _probe(model, twice)
+    finally:
+        for metric in model.metrics:  # the loss trackers may be new
+            metric.reset_state()
+        snapshot.restore(taken)
+    if not whole_batch_loss and not np.isnan(once[0]) and _kind(once[0], once[1]) != MEAN:
+        raise ValueError(_coupled_message(model, once[0], once[1]))
+    terms = []
+    for index, (a, b, c) in enumerate(zip(once[2:], again[2:], doubled[2:], strict=True)):
+        kind = _kind(a, c, spread=abs(b - a))
+        if kind is None:
+            raise ValueError(
+                "AccumulatingModel cannot split a loss term over micro-batches "
+                f"exactly: term {index} of `model.losses` {_what(a, c)}, neither the "
+                "same (a mean over samples) nor twice as large (a sum). Add it "
+                "as separate terms, one that sums over samples and one that "
+                f"does not. Received: model.losses[{index}]"
+            )
+        terms.append(kind)
+    return LossForm(tuple(terms), ignore_classes(model))
+
+
+def _coupled_message(model, once, twice):
+    where = "`compute_loss`" if overrides(model, "compute_loss") else "compiled loss"
+    return (
+        "AccumulatingModel adds up each micro-batch's loss weighted by its share "
+        "of the batch, which equals the batch's loss when the loss is a mean of "
+        f"per-sample terms; this {where} is not: on the same outputs it "
+        f"{_what(once, twice)}, so it sums over the batch or couples its samples "
+        "(a contrastive loss whose negatives are the batch's other rows, a listwise "
+        "ranking loss). Pass `whole_batch_loss=True` to AccumulatingModel to evaluate "
+        "it once on the whole batch's outputs (exact for any loss of the outputs, "
+        "for about one more forward pass), or return one loss value per sample "
+        "(Keras averages them). Received: "
+        f"loss={getattr(model, 'loss', None)!r}, whole_batch_loss=False"
+    )
+
+
+def _probe(model, data):
+    """`_evaluate(model, *data)` in a replica's context (where Keras updates its
+    loss trackers), as a list; Keras's warnings come from the step, once."""
+    strategy = model.distribute_strategy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = strategy.run(_evaluate, args=(model, *data))
+    return strategy.experimental_local_results(values)[0].numpy().tolist()
+
+
+def _evaluate(model, x, y):
+    """[loss of the outputs, the same on them repeated (NaN: none), each term of
+    `model.losses`] on one batch."""
+    y_pred = model(x, training=False)
+    terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
+    nan = tf.constant(float("nan"))
+    once = twice = nan
+    if overrides(model, "compute_loss"):
+        once = _keras.compute_loss(model, x, y, y_pred, None, training=False)
+        twice = _keras.compute_loss(
+            model, _repeat(x), _repeat(y), _repeat(y_pred), None, training=False
+        )
+    elif y is not None and has_compiled_loss(model):
+        once = _keras.compiled_loss(model, y, y_pred, None, [])
+        twice = _keras.compiled_loss(model, _repeat(y), _repeat(y_pred), None, [])
+    return tf.stack([tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms])
+
+
+# -- ignore_class ------------------------------------------------------------------
+
+
+def ignore_classes(model) -> tuple:
+    """The `ignore_class` of each flat output's compiled loss (None where none)."""
+    outputs = None
+    if isinstance(model, _keras.Functional):
+        outputs = _keras.nested_inputs_outputs(model)[1]
+    if isinstance(outputs, dict):
+        names = sorted(outputs)  # the order `tf.nest.flatten` gives a dict's values
+    else:
+        names = list(getattr(model, "output_names", None) or [])
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, dict):
+        losses = [loss.get(name) for name in names]
+    elif isinstance(loss, (list, tuple)):
+        losses = list(loss)
+    else:
+        losses = [loss] * max(len(names), 1)
+    classes = []
+    for item in losses:
+        config = item.get_config() if hasattr(item, "get_config") else {}
+        classes.append(config.get("ignore_class"))
+    return tuple(classes) if any(c is not None for c in classes) else ()
+
+
+# -- the probe's data ------------------------------------------------------------------
+
+
+def _first_samples(data, count):
+    return tf.nest.map_structure(lambda t: None if t is None else t[:count], data)
+
+
+def _repeat(data):
+    """Every sample twice (`x + x`), masks included."""
+
+    def twice(t):
+        if t is None:
+            return None
+        mask = _keras.get_mask(t)
+        t = tf.concat([t, t], 0)
+        if mask is not None:
+            _keras.set_mask(t, tf.concat([mask, mask], 0))
+        return t
+
+    return tf.nest.map_structure(twice, data)
+
+
+def _kind(once, twice, spread=0.0):
+    """MEAN if a value stays when every sample is repeated, SUM if it doubles, else None.
+
+    `spread`: how far two evaluations on the same samples differ (random
+    draws); the tolerance grows with it.
+    """
+    scale = max(abs(once), abs(twice), 1e-12)
+    tolerance = _PROBE_RTOL * scale
+    if spread > tolerance:  # random: the nearer of the two, within the draws' spread
+        tolerance = max(4 * spread, 0.25 * scale)
+    to_mean, to_sum = abs(twice - once), abs(twice - 2 * once)
+    if to_mean <= tolerance and to_mean <= to_sum:
+        return MEAN
+    if to_sum <= tolerance:
+        return SUM
+    return None
+
+
+def _what(once, twice):
+    ratio = twice / once if once else np.inf
+    return f"went from {once:.6g} to {twice:.6g} (x{ratio:.3g}) when every sample was repeated"
