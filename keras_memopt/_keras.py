@@ -107,7 +107,11 @@ def compiled_loss(model, y, y_pred, sample_weight, terms):
 
 
 def additional_loss(model, term):
-    """A term of `model.losses` as Keras 3 adds it to the loss (scaled for replicas)."""
+    """A term of `model.losses` as Keras adds it to the loss (scaled for replicas)."""
+    if LEGACY:
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        term = tf.reduce_sum(tf.cast(term, tf.float32))
+        return term / replicas if replicas > 1 else term
     return model._aggregate_additional_loss(term)
 
 

@@ -214,9 +214,9 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
     return tf.nest.pack_sequence_as(specs, flat)
 
 
-def concatenate(fn, data, size):
+def concatenate(fn, data, size, jit_compile=False):
     """Runs `fn(micro_batch)` over `data` in micro-batches; concatenates its outputs."""
-    function, specs = micro_function(fn, data)
+    function, specs = micro_function(fn, data, jit_compile=jit_compile)
     batch_size = batch_size_of(data)
     size = tf.cast(size, batch_size.dtype)
     count = (batch_size + size - 1) // size

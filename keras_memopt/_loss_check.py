@@ -65,6 +65,13 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
             the samples (unless `whole_batch_loss`), or a term of
             `model.losses` that neither averages nor sums over them.
     """
+    if whole_batch_loss and _keras.LEGACY and overrides(model, "compute_loss"):
+        raise ValueError(
+            "`whole_batch_loss=True` with an overridden `compute_loss` needs Keras 3: "
+            "tf_keras has no way to hand it the micro-batches' `add_loss` terms. "
+            "Compile the loss instead, or train on Keras 3. Received: "
+            f"{type(model).__name__}.compute_loss on tf_keras"
+        )
     x, y, _ = _keras.unpack_x_y_sample_weight(data)
     if not [t for t in tf.nest.flatten(x) if t is not None]:
         return LossForm()

@@ -136,6 +136,26 @@ class LossSplit:
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
         return loss
 
+    def penalty(self, share) -> tf.Tensor:
+        """The terms of `model.losses` of the last call, each with its share (float32).
+
+        Not scaled for replicas: Keras scales it where it adds it
+        (`whole_batch_loss`, `_keras.additional_loss`).
+        """
+        total = tf.zeros([])
+        for index, term in enumerate(self.model.losses):
+            total += self._term(term, index, share, 1.0)
+        return total
+
+    def whole_batch_loss(self, x, y, y_pred, sample_weight, penalty, training):
+        """The batch's loss of its outputs `y_pred`, as Keras computes it, plus `penalty`
+        (the summed terms of `model.losses` of every micro-batch, see `penalty`)."""
+        model = self.model
+        if _keras.LEGACY:
+            return _keras.compiled_loss(model, y, y_pred, sample_weight, [penalty])
+        with _keras.losses_replaced(model, [penalty]):
+            return _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
+
     def _term(self, term, index, mean_share, sum_share):
         kinds = (self.form or LossForm()).terms
         kind = kinds[index] if index < len(kinds) else None

@@ -4,8 +4,11 @@ A recomputed segment (`keras_memopt.remat`) runs its layers twice, in the
 forward and in the backward pass; both must draw the same random numbers and
 the second must not update state (BatchNormalization's moving statistics)
 again. `random_state(layer)` pins the randomness of a call, and
-`Replay(layer, state, recompute)` runs a call with it. The two Keras lines
-draw random numbers differently, so both live here.
+`Replay(layer, state, recompute)` runs a call with it. `Rerun(layer, state)`
+runs a whole model's call again (`whole_batch_loss`'s second pass): the same
+random numbers, its state updates put back afterwards, and its `add_loss`
+terms kept. The two Keras lines draw random numbers differently, so both live
+here.
 """
 
 import tensorflow as tf
@@ -99,4 +102,36 @@ class Replay:
                 setattr(generator, name, attributes.get(name))
         if self._restorer is not None and exc_info[0] is None:
             self._restorer.restore()
+        return False
+
+
+class Rerun(Replay):
+    """Runs `layer` again with the randomness pinned by `state`, putting back what it changes.
+
+    Keras 3's `Replay(recompute=True)` discards state updates with a
+    `StatelessScope`, which also drops the `add_loss` terms of the call (an
+    activity regulariser's); here the seed states are assigned instead, and
+    every non-trainable weight and seed state is assigned back on exit, so
+    the terms stay in `layer.losses`. On tf_keras it is `Replay(recompute=True)`.
+    """
+
+    def __init__(self, layer, state):
+        super().__init__(layer, state, recompute=True)
+
+    def __enter__(self):
+        if _keras.LEGACY:
+            return super().__enter__()
+        seeds = _seed_variables(self.layer)
+        self._variables = list(self.layer.non_trainable_weights) + seeds
+        self._values = [tf.identity(v.value) for v in self._variables]
+        for variable, value in zip(seeds, self.state, strict=True):
+            variable.assign(value)
+        return self
+
+    def __exit__(self, *exc_info):
+        if _keras.LEGACY:
+            return super().__exit__(*exc_info)
+        if exc_info[0] is None:
+            for variable, value in zip(self._variables, self._values, strict=True):
+                variable.assign(value)
         return False

@@ -12,7 +12,8 @@ from __future__ import annotations
 from keras_memopt import _keras, _shares, placement
 
 SETTING_ARGS = (
-    "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts"
+    "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts",
+    "whole_batch_loss",
 )
 
 _FUNCTIONAL_CLASSES: dict[type, type] = {}
@@ -42,6 +43,7 @@ class SerializationMixin:
             accumulation_steps=self.accumulation_steps,
             remat=self.remat,
             replica_shares=list(shares) if shares is not None else None,
+            whole_batch_loss=self.whole_batch_loss,
             **placement.config(self._placement),
         )
 
@@ -50,10 +52,12 @@ class SerializationMixin:
         setting = dict(setting)
         remat, shares = setting.pop("remat", None), setting.pop("replica_shares", None)
         devices, device_cuts = setting.pop("devices", None), setting.pop("device_cuts", None)
+        whole_batch_loss = setting.pop("whole_batch_loss", None) or False
         self._setting.set(**setting)
         self._set_placement(devices, device_cuts)
         self._plan_segments(remat)
         self._replica_shares = _shares.resolve_shares(shares, self.distribute_strategy)
+        self.whole_batch_loss = whole_batch_loss
 
     def get_config(self):
         return {**_keras.functional_config(self, super().get_config()), **self._setting_config()}

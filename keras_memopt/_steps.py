@@ -6,9 +6,14 @@ with the batch split:
 - `train_step` = `_train_gradients` (the micro-batch loop: each micro-batch's
   forward pass, loss and gradients, summed; no collective op) followed by
   `_train_update` (one optimizer update, then the metrics' results);
+- with `whole_batch_loss=True`, `_train_gradients` and `_test_loss` are
+  `_whole_batch_pass`: every micro-batch forward, the loss once on the whole
+  batch's outputs, every micro-batch backward (`keras_memopt._whole_batch`);
 - `test_step` = `_test_loss` then `_test_logs`; `predict_step` concatenates
-  each micro-batch's predictions;
-- `accumulate_gradients` is the same loop for custom train steps.
+  each micro-batch's predictions.
+
+Custom train steps use the same loop through `accumulate_gradients`
+(`keras_memopt._custom_steps`).
 
 The halves are separate so that several workers can agree between them
 whether any ran out of memory (`keras_memopt._coordinator`).
@@ -16,14 +21,9 @@ whether any ran out of memory (`keras_memopt._coordinator`).
 
 from __future__ import annotations
 
-import inspect
-import warnings
-
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _losses, _shares, distribute
-
-_WARNED_CUSTOM_STEPS: set[type] = set()
+from keras_memopt import _keras, _loop, _losses, _shares, _whole_batch, distribute
 
 
 def _update_counters(model):
@@ -66,24 +66,6 @@ class MicroBatchSteps:
             return self._test_loss, lambda outputs: self._test_logs(*outputs)
         return self.predict_step, None
 
-    def _checked_train_step(self, data):
-        """`train_step`, warning once when a custom one splits nothing."""
-        self._accumulating = False
-        outputs = self.train_step(data)
-        cls = type(self)
-        if not self._accumulating and self._setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
-            _WARNED_CUSTOM_STEPS.add(cls)
-            _warn_at(
-                cls.train_step,
-                f"{cls.__name__}.train_step runs the whole batch at once: it calls "
-                "neither `self.accumulate_gradients(...)` nor "
-                "`super().train_step(data)`, so the micro-batch setting "
-                f"(micro_batch_size={self.micro_batch_size!r}, accumulation_steps="
-                f"{self.accumulation_steps!r}) saves no memory. Compute the "
-                "gradients with `self.accumulate_gradients(loss_fn, data, variables)`.",
-            )
-        return outputs
-
     # -- what every step does first ------------------------------------------------
 
     def _prepare_step(self, kind, data):
@@ -104,7 +86,7 @@ class MicroBatchSteps:
         if buildable and not _keras.LEGACY and kind != "predict":
             _keras.symbolic_build(self, local)
         if kind != "predict" and self._own_step(kind):
-            self._loss_split.check(local)
+            self._loss_split.check(local, self._whole_batch_loss)
 
     def _forward(self, x, training):
         # Recomputed segments matter in training only; placed ones always.
@@ -182,6 +164,8 @@ class MicroBatchSteps:
 
     def _train_gradients(self, data):
         """The batch's loss, size and summed gradients: the micro-batch loop, no update."""
+        if self._whole_batch_loss:
+            return self._whole_batch_pass(data, training=True)
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
@@ -219,6 +203,42 @@ class MicroBatchSteps:
                 _keras.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
 
+    def _whole_batch_pass(self, data, training):
+        """`whole_batch_loss=True`: `(loss, size, gradients)`, the loss of the whole
+        batch's outputs (`keras_memopt._whole_batch`); metrics see those outputs once."""
+        if _loop.update_counters(self):
+            raise NotImplementedError(
+                "`whole_batch_loss=True` runs each micro-batch forward twice, which "
+                "would advance tfmot's pruning steps twice. Train the pruned model "
+                "without it. Received: whole_batch_loss=True"
+            )
+        x, y, sample_weight = self._unpack(data)
+        replica_batch = _loop.batch_size_of((x, y, sample_weight))
+        size = self._setting.size_tensor(replica_batch)
+
+        def forward(micro):
+            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
+                replica_batch, tf.float32
+            )
+            y_pred = self._forward(micro[0], training=training)
+            return y_pred, self._loss_split.penalty(share)
+
+        def loss_fn(y_pred, penalty):
+            split = self._loss_split
+            return split.whole_batch_loss(x, y, y_pred, sample_weight, penalty, training)
+
+        whole = _whole_batch.WholeBatch(self, forward, self._micro_batch_jit_compile)
+        gradients = None
+        if training:
+            loss, gradients, y_pred = whole.gradients(
+                loss_fn, (x, y, sample_weight), size, self.trainable_variables, self.optimizer
+            )
+        else:
+            y_pred, penalty, _ = whole.outputs((x, y, sample_weight), size)
+            loss = loss_fn(y_pred, penalty)
+        _keras.update_metrics(self, x, y, y_pred, sample_weight)
+        return tf.cast(loss, tf.float32), replica_batch, gradients
+
     # -- evaluation and prediction -------------------------------------------------
 
     def test_step(self, data):
@@ -226,6 +246,8 @@ class MicroBatchSteps:
 
     def _test_loss(self, data):
         """The batch's loss and size, metrics updated; no collective op."""
+        if self._whole_batch_loss:
+            return self._whole_batch_pass(data, training=False)[:2]
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
@@ -258,84 +280,3 @@ class MicroBatchSteps:
             return self._forward(x, training=False)  # Keras says what is missing
         size = self._setting.size_tensor(_loop.batch_size_of(x))
         return _loop.concatenate(lambda micro_x: self._forward(micro_x, training=False), x, size)
-
-    def accumulate_gradients(self, loss_fn, data, variables, optimizer=None):
-        """The batch's loss and gradients, computed micro-batch by micro-batch.
-
-        The building block of a custom `train_step`: it runs
-        `loss_fn(micro_batch)` over the micro-batches of `data` in the loop
-        `train_step` uses (one micro-batch's activations alive at a time),
-        weights each micro-batch's loss by its share of the batch (its number
-        of samples over the batch's), and returns the batch's loss and the
-        summed gradients for `variables`: what one `tf.GradientTape` over the
-        whole batch gives when `loss_fn` returns a mean over samples. Call it
-        as often as a step needs (a GAN's discriminator and generator).
-
-        Metrics that `loss_fn` updates see each micro-batch in turn, which is
-        the whole batch for metrics that accumulate over samples (`Mean`,
-        accuracy, AUC). With a loss-scale optimizer (`mixed_float16`), the
-        loss is scaled with `optimizer`'s scale: apply the gradients with that
-        optimizer, which unscales them (and skips a non-finite update).
-
-        Args:
-            loss_fn: a function of one micro-batch (a slice of `data`, same
-                structure) returning its mean loss, a scalar tensor.
-            data: the batch: a tensor or a nest (tuple, dict) of tensors
-                whose first axis is the batch.
-            variables: the variables to differentiate.
-            optimizer: the optimizer that will apply the gradients, for loss
-                scaling. Defaults to the model's.
-
-        Returns:
-            `(loss, gradients)`: the batch's loss (float32) and one gradient
-            per variable (None where the loss does not depend on it;
-            `tf.IndexedSlices` for an Embedding's table).
-
-        Example:
-
-        ```python
-        def train_step(self, data):
-            real, _ = data
-
-            def discriminator_loss(real):
-                fake = self.generator(tf.random.normal([tf.shape(real)[0], 64]))
-                ...
-                return loss
-
-            variables = self.discriminator.trainable_variables
-            loss, grads = self.accumulate_gradients(
-                discriminator_loss, real, variables, optimizer=self.d_optimizer
-            )
-            self.d_optimizer.apply(grads, variables)
-        ```
-        """
-        self._accumulating = True
-        _loop.check_splittable(data)
-        variables = list(variables)
-        optimizer = getattr(self, "optimizer", None) if optimizer is None else optimizer
-        batch_size = _loop.batch_size_of(data)
-
-        def micro_step(micro):
-            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
-                batch_size, tf.float32
-            )
-            with tf.GradientTape() as tape:
-                loss = loss_fn(micro)
-                loss = loss * tf.cast(share, loss.dtype)
-                scaled = _keras.scale_loss(optimizer, loss)
-            return tf.cast(loss, tf.float32), tape.gradient(scaled, variables)
-
-        size = self._setting.size_tensor(batch_size)
-        jit = self._micro_batch_jit_compile
-        return _loop.accumulate(micro_step, data, size, jit_compile=jit)
-
-
-def _warn_at(function, message):
-    """A `UserWarning` attributed to where `function` is defined (a user's step)."""
-    function = inspect.unwrap(function)
-    try:
-        filename = inspect.getsourcefile(function) or "<unknown>"
-        lineno = inspect.getsourcelines(function)[1]
-    except (OSError, TypeError):
-        filename, lineno = "<unknown>", 0
-    warnings.warn_explicit(message, UserWarning, filename, lineno, module=function.__module__)

@@ -44,6 +44,23 @@ def micro_batch_split(micro_batch_size, accumulation_steps):
     return None, positive_int("accumulation_steps", accumulation_steps)
 
 
+def whole_batch_loss(value, replica_shares=None):
+    """Checks `AccumulatingModel`'s `whole_batch_loss`; returns it as a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            "`whole_batch_loss` must be True or False. "
+            f"Received: whole_batch_loss={value!r}"
+        )
+    if value and replica_shares is not None:
+        raise ValueError(
+            "`whole_batch_loss=True` evaluates the loss on each replica's whole "
+            "batch, which uneven `replica_shares` make unlike plain Keras's even "
+            "split. Use one of the two. Received: whole_batch_loss=True, "
+            f"replica_shares={list(replica_shares)!r}"
+        )
+    return value
+
+
 def backoff_factor(value):
     """Returns a backoff `factor` as a float in (0, 1), or raises naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:

@@ -11,10 +11,12 @@ from keras_memopt import (
     _segments,
     _shares,
     _update,
+    _validation,
     distribute,
     placement,
 )
 from keras_memopt import remat as _remat
+from keras_memopt._custom_steps import CustomSteps
 from keras_memopt._serialization import SerializationMixin, functional_class
 from keras_memopt._setting import MicroBatchSetting
 from keras_memopt._steps import MicroBatchSteps
@@ -25,7 +27,7 @@ keras = _keras.keras
 
 
 class AccumulatingModel(
-    MicroBatchSteps, placement.PlacementMixin, SerializationMixin, keras.Model
+    MicroBatchSteps, CustomSteps, placement.PlacementMixin, SerializationMixin, keras.Model
 ):
     """A `keras.Model` whose train step accumulates gradients over micro-batches.
 
@@ -84,6 +86,18 @@ class AccumulatingModel(
         device_cuts: `"auto"` (balanced by memory) or the names of the
             `len(devices) - 1` layers whose outputs end the segments, as for
             `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
+        whole_batch_loss: bool. `True` evaluates the loss (compiled, or an
+            overridden `compute_loss`) and the compiled metrics once, on the
+            whole batch's outputs, for losses that couple the samples of a
+            batch (contrastive losses such as CLIP or InfoNCE, listwise
+            ranking): each micro-batch runs forward once to collect its
+            outputs, then again under a tape, with the same random numbers, to
+            back-propagate its rows of the loss's gradient. Exact for any loss
+            of the outputs, for about one more forward pass; memory: the whole
+            batch's outputs beside one micro-batch's activations. See the user
+            guide's page "Losses over the whole batch". Defaults to `False`
+            (the loss must be a mean of per-sample terms; one that is not is
+            refused at the first step).
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
@@ -140,6 +154,7 @@ class AccumulatingModel(
         replica_shares: list[float] | str | None = None,
         devices: list[str] | None = None,
         device_cuts: str | list[str] | None = None,
+        whole_batch_loss: bool = False,
         **kwargs,
     ):
         strategy = tf.distribute.get_strategy()
@@ -149,6 +164,7 @@ class AccumulatingModel(
         )
         remat = _remat.validate_remat(remat)
         shares = _shares.resolve_shares(replica_shares, strategy)
+        whole_batch_loss = _validation.whole_batch_loss(whole_batch_loss, shares)
         functional = _keras.is_functional_call(args, kwargs)
         _remat.check_target(remat, functional, self)
         placement.validate(devices, device_cuts, self, functional)
@@ -164,6 +180,7 @@ class AccumulatingModel(
         self._replica_shares = shares
         self._micro_batch_jit_compile = False
         self._loss_split = _losses.LossSplit(self)
+        self._whole_batch_loss = whole_batch_loss
         self._accumulating = False
         self.oom_policy = None
         self._set_placement(devices, device_cuts)
@@ -181,6 +198,7 @@ class AccumulatingModel(
         name: str | None = None,
         devices: list[str] | None = None,
         device_cuts: str | list[str] | None = None,
+        whole_batch_loss: bool = False,
     ) -> AccumulatingModel:
         """Wraps an existing model; the result shares its layers and weights.
 
@@ -190,8 +208,8 @@ class AccumulatingModel(
 
         Args:
             model: a built `keras.Model`.
-            micro_batch_size, accumulation_steps, remat, devices, device_cuts: as
-                for the constructor.
+            micro_batch_size, accumulation_steps, remat, devices, device_cuts,
+                whole_batch_loss: as for the constructor.
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
@@ -221,7 +239,7 @@ class AccumulatingModel(
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, remat=remat, devices=devices,
-            device_cuts=device_cuts,
+            device_cuts=device_cuts, whole_batch_loss=whole_batch_loss,
         )
 
     # -- the micro-batch setting ------------------------------------------------
@@ -261,6 +279,23 @@ class AccumulatingModel(
                 f"`model.{other} = None` first. Received: {name}={value!r}"
             )
         self._setting.set(**{name: value, other: None})
+
+    @property
+    def whole_batch_loss(self) -> bool:
+        """Whether the loss is evaluated once on the whole batch's outputs.
+
+        Settable between fits, like `micro_batch_size`; the step is traced
+        anew, and the loss is checked again at the next step.
+        """
+        return self._whole_batch_loss
+
+    @whole_batch_loss.setter
+    def whole_batch_loss(self, value):
+        value = _validation.whole_batch_loss(value, self._replica_shares)
+        if value != self._whole_batch_loss:
+            self._whole_batch_loss = value
+            self._loss_split = _losses.LossSplit(self)
+            self._retrace()
 
     @property
     def replica_shares(self) -> tuple[float, ...] | None:

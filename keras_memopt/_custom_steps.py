@@ -1,0 +1,141 @@
+"""What custom train steps use: `accumulate_gradients`, and the warning when one splits nothing.
+
+A model that overrides `train_step` computes its gradients with
+`self.accumulate_gradients(...)`, the micro-batch loop of the model's own step
+(`keras_memopt._loop`), per micro-batch or, with `forward`, for a loss over
+the whole batch's outputs (`keras_memopt._whole_batch`). A custom step that
+calls neither it nor `super().train_step` saves no memory, and is told so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import tensorflow as tf
+
+from keras_memopt import _keras, _loop, _whole_batch
+
+_WARNED_CUSTOM_STEPS: set[type] = set()
+
+
+class CustomSteps:
+    """`accumulate_gradients` and the custom-step warning (a mixin of `AccumulatingModel`)."""
+
+    def _checked_train_step(self, data):
+        """`train_step`, warning once when a custom one splits nothing."""
+        self._accumulating = False
+        outputs = self.train_step(data)
+        cls = type(self)
+        if not self._accumulating and self._setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
+            _WARNED_CUSTOM_STEPS.add(cls)
+            _warn_at(
+                cls.train_step,
+                f"{cls.__name__}.train_step runs the whole batch at once: it calls "
+                "neither `self.accumulate_gradients(...)` nor "
+                "`super().train_step(data)`, so the micro-batch setting "
+                f"(micro_batch_size={self.micro_batch_size!r}, accumulation_steps="
+                f"{self.accumulation_steps!r}) saves no memory. Compute the "
+                "gradients with `self.accumulate_gradients(loss_fn, data, variables)`.",
+            )
+        return outputs
+
+
+    def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
+        """The batch's loss and gradients, computed micro-batch by micro-batch.
+
+        The building block of a custom `train_step`: it runs
+        `loss_fn(micro_batch)` over the micro-batches of `data` in the loop
+        `train_step` uses (one micro-batch's activations alive at a time),
+        weights each micro-batch's loss by its share of the batch (its number
+        of samples over the batch's), and returns the batch's loss and the
+        summed gradients for `variables`: what one `tf.GradientTape` over the
+        whole batch gives when `loss_fn` returns a mean over samples. Call it
+        as often as a step needs (a GAN's discriminator and generator).
+
+        `loss_fn` must return a mean over the micro-batch's samples: a loss
+        that couples the samples of a batch (a contrastive loss whose
+        negatives are the other rows) is not the sum of its micro-batches'
+        parts. For such a loss pass `forward`: then `forward(micro_batch)`
+        returns the micro-batch's outputs (a nest of tensors),
+        `loss_fn(outputs, data)` the loss of the whole batch's outputs,
+        concatenated, and the gradients are that loss's, exactly (each
+        micro-batch runs forward twice, the second time with the same random
+        numbers; see `whole_batch_loss` of `AccumulatingModel`).
+
+        Metrics that `loss_fn` updates see each micro-batch in turn, which is
+        the whole batch for metrics that accumulate over samples (`Mean`,
+        accuracy, AUC). With a loss-scale optimizer (`mixed_float16`), the
+        loss is scaled with `optimizer`'s scale: apply the gradients with that
+        optimizer, which unscales them (and skips a non-finite update).
+
+        Args:
+            loss_fn: a function of one micro-batch (a slice of `data`, same
+                structure) returning its mean loss, a scalar tensor.
+            data: the batch: a tensor or a nest (tuple, dict) of tensors
+                whose first axis is the batch.
+            variables: the variables to differentiate.
+            optimizer: the optimizer that will apply the gradients, for loss
+                scaling. Defaults to the model's.
+            forward: a function of one micro-batch returning its outputs, for
+                a loss over the whole batch (see above). Defaults to None.
+
+        Returns:
+            `(loss, gradients)`: the batch's loss (float32) and one gradient
+            per variable (None where the loss does not depend on it;
+            `tf.IndexedSlices` for an Embedding's table).
+
+        Example:
+
+        ```python
+        def train_step(self, data):
+            real, _ = data
+
+            def discriminator_loss(real):
+                fake = self.generator(tf.random.normal([tf.shape(real)[0], 64]))
+                ...
+                return loss
+
+            variables = self.discriminator.trainable_variables
+            loss, grads = self.accumulate_gradients(
+                discriminator_loss, real, variables, optimizer=self.d_optimizer
+            )
+            self.d_optimizer.apply(grads, variables)
+        ```
+        """
+        self._accumulating = True
+        _loop.check_splittable(data)
+        variables = list(variables)
+        optimizer = getattr(self, "optimizer", None) if optimizer is None else optimizer
+        batch_size = _loop.batch_size_of(data)
+        size = self._setting.size_tensor(batch_size)
+        jit = self._micro_batch_jit_compile
+        if forward is not None:
+            whole = _whole_batch.WholeBatch(self, lambda micro: (forward(micro), tf.zeros([])), jit)
+            loss, gradients, _ = whole.gradients(
+                lambda outputs, _: loss_fn(outputs, data), data, size, variables, optimizer
+            )
+            return tf.cast(loss, tf.float32), gradients
+
+        def micro_step(micro):
+            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
+                batch_size, tf.float32
+            )
+            with tf.GradientTape() as tape:
+                loss = loss_fn(micro)
+                loss = loss * tf.cast(share, loss.dtype)
+                scaled = _keras.scale_loss(optimizer, loss)
+            return tf.cast(loss, tf.float32), tape.gradient(scaled, variables)
+
+        return _loop.accumulate(micro_step, data, size, jit_compile=jit)
+
+
+def _warn_at(function, message):
+    """A `UserWarning` attributed to where `function` is defined (a user's step)."""
+    function = inspect.unwrap(function)
+    try:
+        filename = inspect.getsourcefile(function) or "<unknown>"
+        lineno = inspect.getsourcelines(function)[1]
+    except (OSError, TypeError):
+        filename, lineno = "<unknown>", 0
+    warnings.warn_explicit(message, UserWarning, filename, lineno, module=function.__module__)

@@ -1,0 +1,158 @@
+"""`whole_batch_loss=True`: a loss of the whole batch's outputs, exact, in micro-batches.
+
+Accumulation adds up per-micro-batch losses, which is exact when the batch's
+loss is a mean of per-sample terms. A loss that couples the samples (a
+contrastive loss whose negatives are the batch's other rows, listwise
+ranking) is not; gradient caching (GradCache, sentence-transformers' cached
+losses) makes it exact in three steps, here around Keras's own loss:
+
+1. `forward`: every micro-batch runs forward without a tape; only its outputs
+   are kept (with the random state it started from and its `model.losses`
+   terms). Memory: the whole batch's outputs plus one micro-batch's
+   activations.
+2. `loss_and_output_gradients`: the loss runs once on the whole batch's
+   outputs, and gives its gradient with respect to them (in float32: the
+   outputs are cast first, so no loss scale is needed here).
+3. `backward`: each micro-batch runs forward again under a tape, with the
+   random state of step 1 (the same dropout masks) and what it changes
+   (BatchNormalization's moving statistics, seed states) put back afterwards,
+   and back-propagates its rows of that gradient; the gradients add up in the
+   usual loop (`keras_memopt._loop.accumulate`).
+
+The cost is one more forward pass per micro-batch. The gradient is the
+whole batch's for any loss of the outputs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_memopt import _keras, _loop, _replay
+
+
+def _floating(tensor) -> bool:
+    return tensor.dtype.is_floating
+
+
+class WholeBatch:
+    """The three steps for one model and one forward function.
+
+    Args:
+        model: the `AccumulatingModel` (its random state is replayed).
+        forward: a function of one micro-batch (a slice of the data) returning
+            `(outputs, penalty)`: a nest of output tensors, and a float32
+            scalar added to the loss (the micro-batch's share of the
+            `model.losses` terms; `tf.zeros([])` for none).
+        jit_compile: whether each micro-batch's pass is compiled with XLA.
+    """
+
+    def __init__(self, model, forward, jit_compile=False):
+        self.model = model
+        self.forward = forward
+        self.jit_compile = jit_compile
+
+    def outputs(self, data, size):
+        """Step 1: `(outputs, penalty, states)`, outputs concatenated over the batch."""
+        structure, state_shapes = [], []
+
+        def first(micro):
+            state = _replay.random_state(self.model)
+            with _replay.Replay(self.model, state, recompute=False):
+                outputs, penalty = self.forward(micro)
+            structure.append(outputs)
+            state_shapes[:] = [s.shape for s in state]
+            flat = tf.nest.flatten(outputs)
+            masks = [_keras.get_mask(t) for t in flat]
+            return (
+                flat,
+                [m for m in masks if m is not None],
+                [s[None] for s in state],
+                tf.reshape(tf.cast(penalty, tf.float32), [1]),
+            )
+
+        flat, masks, states, penalties = _loop.concatenate(
+            first, data, size, jit_compile=self.jit_compile
+        )
+        for state, shape in zip(states, state_shapes, strict=True):
+            state.set_shape([None, *shape])
+        rows = _keras.static_batch_dim(data)
+        traced = tf.nest.flatten(structure[-1])
+        masks = iter(masks)
+        outputs = []
+        for tensor, like in zip(flat, traced, strict=True):
+            tensor.set_shape([rows, *like.shape[1:]])
+            if _floating(tensor):
+                tensor = tf.cast(tensor, tf.float32)
+            if _keras.get_mask(like) is not None:
+                mask = next(masks)
+                mask.set_shape([rows, *_keras.get_mask(like).shape[1:]])
+                _keras.set_mask(tensor, mask)
+            outputs.append(tensor)
+        return tf.nest.pack_sequence_as(structure[-1], outputs), tf.reduce_sum(penalties), states
+
+    @staticmethod
+    def loss_and_output_gradients(loss_fn, outputs, variables, optimizer):
+        """Step 2: `(loss, output_gradients, direct_gradients)`.
+
+        `output_gradients` has one float32 tensor per floating output (the
+        loss's gradient with respect to it, unscaled); `direct_gradients`, per
+        variable, the gradient of what the loss reads of the variables itself
+        (None where nothing, the usual case), loss-scaled as step 3's are.
+        """
+        floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(floats)
+            loss = loss_fn(outputs)
+            scaled = _keras.scale_loss(optimizer, loss)
+        output_gradients = [
+            tf.zeros_like(t) if g is None else g
+            for t, g in zip(floats, tape.gradient(loss, floats), strict=True)
+        ]
+        direct = tape.gradient(scaled, list(variables))
+        del tape
+        return loss, output_gradients, direct
+
+    def backward(self, data, output_gradients, states, size, variables, optimizer):
+        """Step 3: the gradients of `variables`, summed over the micro-batches."""
+        model = self.model
+        positions = tf.range(_loop.batch_size_of(data)) // tf.cast(size, tf.int32)
+
+        def second(micro):
+            micro_data, gradients, micro_positions = micro
+            index = micro_positions[0]
+            state = [s[index] for s in states]
+            with tf.GradientTape() as tape:
+                with _replay.Rerun(model, state):
+                    outputs, penalty = self.forward(micro_data)
+                floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
+                surrogate = _keras.additional_loss(model, penalty)
+                for output, gradient in zip(floats, gradients, strict=True):
+                    surrogate += tf.reduce_sum(tf.cast(output, tf.float32) * gradient)
+                scaled = _keras.scale_loss(optimizer, surrogate)
+            return tape.gradient(scaled, variables)
+
+        return _loop.accumulate(
+            second, (data, output_gradients, positions), size, jit_compile=self.jit_compile
+        )
+
+    def gradients(self, loss_fn, data, size, variables, optimizer):
+        """The three steps: `(loss, gradients, outputs)`.
+
+        `loss_fn(outputs, penalty)` is the batch's loss of the concatenated
+        outputs, `penalty` the summed terms of step 1 (constant here: their
+        gradient comes from step 3).
+        """
+        outputs, penalty, states = self.outputs(data, size)
+        loss, output_gradients, direct = self.loss_and_output_gradients(
+            lambda outputs: loss_fn(outputs, penalty), outputs, variables, optimizer
+        )
+        gradients = self.backward(data, output_gradients, states, size, variables, optimizer)
+        return loss, [_add(g, d) for g, d in zip(gradients, direct, strict=True)], outputs
+
+
+def _add(gradient, direct):
+    if direct is None:
+        return gradient
+    if gradient is None:
+        return direct
+    return tf.convert_to_tensor(gradient) + tf.convert_to_tensor(direct)

@@ -1,0 +1,246 @@
+"""`whole_batch_loss=True`: losses that couple the batch, exact against plain Keras.
+
+The model is a two-tower CLIP-style encoder whose loss uses every other row
+of the batch as negatives. Plain Keras on the whole batch is the oracle:
+weights after two epochs of Adam, every logged figure and `evaluate`, with
+uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _faults import OutOfMemoryAbove
+from conftest import LEGACY
+from test_exactness import CASES, _train, assert_same_training
+
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
+
+layers = keras.layers
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+WIDTH = 8
+
+
+def clip_loss(y_true, y_pred):
+    """Symmetric InfoNCE over the batch: row i of each tower matches row i of the other."""
+    images = tf.math.l2_normalize(y_pred[:, :WIDTH], axis=1)
+    texts = tf.math.l2_normalize(y_pred[:, WIDTH:], axis=1)
+    logits = 10.0 * tf.matmul(images, texts, transpose_b=True)
+    labels = tf.range(tf.shape(logits)[0])
+    cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits
+    return 0.5 * (cross_entropy(labels, logits) + cross_entropy(labels, tf.transpose(logits)))
+
+
+def two_towers(cls, dropout=0.0, batch_norm=False, regularized=True, **kwargs):
+    keras.utils.set_random_seed(0)
+    image, text = keras.Input((6,), name="image"), keras.Input((5,), name="text")
+    a = layers.Dense(16, activation="relu")(image)
+    if batch_norm:
+        a = layers.BatchNormalization()(a)
+    if dropout:
+        # tf_keras's default dropout draws with stateful ops, which nothing can replay.
+        extra = dict(rng_type="stateless") if LEGACY else {}
+        a = layers.Dropout(dropout, seed=3, **extra)(a)
+    regularizer = keras.regularizers.L2(1e-3) if regularized else None
+    b = layers.Dense(16, activation="relu", activity_regularizer=regularizer)(text)
+    # The embeddings in float32, as mixed-precision models keep their outputs.
+    towers = [layers.Dense(WIDTH, dtype="float32")(t) for t in (a, b)]
+    return cls([image, text], layers.Concatenate(dtype="float32")(towers), **kwargs)
+
+
+def _data(n=96, seed=0):
+    rng = np.random.RandomState(seed)
+    x = [rng.normal(size=(n, 6)).astype("float32"), rng.normal(size=(n, 5)).astype("float32")]
+    return x, np.zeros((n, 1), "float32")
+
+
+def _fit(model, loss=clip_loss, metrics=(), epochs=2, **fit):
+    x, y = _data()
+    model.compile(keras.optimizers.Adam(0.01), loss, metrics=list(metrics))
+    history = model.fit(x, y, batch_size=48, epochs=epochs, shuffle=False, verbose=0, **fit)
+    evaluation = model.evaluate(x, y, batch_size=48, verbose=0, return_dict=True)
+    return model, history.history, evaluation
+
+
+def _assert_same(expected, received, tolerance=TOLERANCE):
+    (a, logs_a, eval_a), (b, logs_b, eval_b) = expected, received
+    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(wb, wa, **tolerance)
+    assert set(logs_a) <= set(logs_b)
+    for key in logs_a:
+        np.testing.assert_allclose(logs_b[key], logs_a[key], **tolerance, err_msg=key)
+    for key in eval_a:
+        np.testing.assert_allclose(eval_b[key], eval_a[key], **tolerance, err_msg=key)
+
+
+WHOLE = dict(micro_batch_size=20, whole_batch_loss=True)
+
+
+def test_compiled_clip_loss_matches_plain_keras():
+    metric = keras.metrics.MeanSquaredError(name="mse")
+    expected = _fit(two_towers(keras.Model), metrics=[metric])
+    received = _fit(two_towers(AccumulatingModel, **WHOLE), metrics=[metric.__class__(name="mse")])
+    _assert_same(expected, received)
+
+
+def test_without_the_option_the_coupled_loss_is_refused_before_any_update():
+    model = two_towers(AccumulatingModel, micro_batch_size=20)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"couples its samples.*whole_batch_loss=True"):
+        _fit(model)
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == 0
+    # Switched on between fits, it trains: the loss is checked again.
+    model.whole_batch_loss = True
+    _fit(model, epochs=1)
+    assert int(model.optimizer.iterations) == 2
+
+
+@pytest.mark.skipif(LEGACY, reason="Keras 3's compute_loss (tf_keras: refused, tested below)")
+def test_clip_loss_in_compute_loss_matches_plain_keras():
+    def build(cls, **kwargs):
+        class Clip(cls):
+            def compute_loss(self, x, y, y_pred, sample_weight=None, training=True):
+                return tf.reduce_mean(clip_loss(y, y_pred)) + tf.add_n(self.losses)
+
+        return two_towers(Clip, **kwargs)
+
+    _assert_same(_fit(build(keras.Model), loss=None), _fit(build(AccumulatingModel, **WHOLE), None))
+    with pytest.raises(ValueError, match="`compute_loss` is not.*whole_batch_loss=True"):
+        _fit(build(AccumulatingModel, micro_batch_size=20), loss=None)
+
+
+@pytest.mark.skipif(not LEGACY, reason="tf_keras only")
+def test_compute_loss_override_is_refused_on_tf_keras():
+    class Clip(AccumulatingModel):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            return tf.reduce_mean(clip_loss(y, y_pred))
+
+    with pytest.raises(ValueError, match="overridden `compute_loss` needs Keras 3"):
+        _fit(two_towers(Clip, **WHOLE), loss=None)
+
+
+def test_dropout_at_one_micro_batch_matches_plain_keras():
+    expected = _fit(two_towers(keras.Model, dropout=0.3))
+    received = _fit(two_towers(AccumulatingModel, dropout=0.3, micro_batch_size=48,
+                               whole_batch_loss=True))
+    _assert_same(expected, received)
+
+
+def test_the_second_pass_replays_the_first_passs_randomness():
+    """With a per-sample loss, whole-batch training equals micro-batch training
+    only if each micro-batch's second pass draws the first pass's dropout masks
+    and leaves BatchNormalization's statistics updated once."""
+
+    def mse(y_true, y_pred):
+        return tf.reduce_mean(tf.square(y_pred), axis=-1)
+
+    def build(**kwargs):
+        return two_towers(
+            AccumulatingModel, dropout=0.3, batch_norm=True, micro_batch_size=20, **kwargs
+        )
+
+    _assert_same(_fit(build(), loss=mse), _fit(build(whole_batch_loss=True), loss=mse))
+
+
+@pytest.mark.parametrize(
+    "name", ["tickets-rmsprop", "rnn-tagger-adam", "mlp-sample-weight", "tagger-ignore-class-sgd"]
+)
+def test_per_sample_losses_stay_exact(name):
+    """Any loss of the outputs is exact: masks, ignored classes, multi-output,
+    loss weights, sample weights, regularisers, against plain Keras."""
+    case = CASES[name]
+    received = _train(case, AccumulatingModel, whole_batch_loss=True, **case.micro)
+    assert_same_training(_train(case, keras.Model), received)
+
+
+def test_under_mirrored_strategy(mirrored_strategy):
+    with mirrored_strategy.scope():
+        expected = _fit(two_towers(keras.Model))
+        received = _fit(two_towers(AccumulatingModel, micro_batch_size=10, whole_batch_loss=True))
+    _assert_same(expected, received)
+
+
+def test_with_mixed_precision():
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        # Keras 3 cannot add a float16 activity regulariser to a float32 loss.
+        expected = _fit(two_towers(keras.Model, regularized=False))
+        received = _fit(two_towers(AccumulatingModel, regularized=False, **WHOLE))
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    # float16 activations of other batch sizes round differently (seen: 2e-5).
+    _assert_same(expected, received, dict(rtol=1e-4, atol=1e-4))
+
+
+def test_with_remat():
+    expected = _fit(two_towers(keras.Model))
+    received = _fit(two_towers(AccumulatingModel, remat="auto", **WHOLE))
+    _assert_same(expected, received)
+
+
+def test_oom_backoff_retries_to_the_same_result():
+    def build(micro_batch_size, limit=None):
+        model = two_towers(AccumulatingModel, micro_batch_size=micro_batch_size,
+                           whole_batch_loss=True)
+        keras.utils.set_random_seed(0)
+        image, text = model.inputs
+        faulty = OutOfMemoryAbove(limit)(image)
+        return AccumulatingModel.from_model(
+            keras.Model([image, text], model([faulty, text])),
+            micro_batch_size=micro_batch_size, whole_batch_loss=True,
+        )
+
+    backoff = OOMBackoff(verbose=0)
+    received = _fit(build(48, limit=24), callbacks=[backoff])
+    assert [e["micro_batch_size"] for e in backoff.backoffs] == [24]
+    _assert_same(_fit(build(24)), received)
+
+
+def test_custom_step_with_a_forward_function():
+    class Plain(keras.Model):
+        def train_step(self, data):
+            x, _ = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(clip_loss(None, self(x, training=True)))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            return {"loss": loss}
+
+    class Accumulating(AccumulatingModel):
+        def train_step(self, data):
+            x, _ = data
+            loss, grads = self.accumulate_gradients(
+                lambda outputs, data: tf.reduce_mean(clip_loss(None, outputs)),
+                x, self.trainable_variables,
+                forward=lambda micro: self(micro, training=True),
+            )
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            return {"loss": loss}
+
+    def fit(model):
+        x, y = _data()
+        model.compile(keras.optimizers.Adam(0.01))
+        history = model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+        return model, history.history, {}
+
+    _assert_same(fit(two_towers(Plain)), fit(two_towers(Accumulating, micro_batch_size=20)))
+
+
+class TestSetting:
+    def test_config_round_trip(self):
+        model = two_towers(AccumulatingModel, **WHOLE)
+        assert model.get_config()["whole_batch_loss"] is True
+        assert AccumulatingModel.from_config(model.get_config()).whole_batch_loss is True
+
+    @pytest.mark.parametrize("value", [1, "yes", None])
+    def test_not_a_bool_is_refused(self, value):
+        with pytest.raises(ValueError, match=r"`whole_batch_loss` must be True or False"):
+            two_towers(AccumulatingModel, whole_batch_loss=value)
+        model = two_towers(AccumulatingModel)
+        with pytest.raises(ValueError, match=r"Received: whole_batch_loss="):
+            model.whole_batch_loss = value
+        assert model.whole_batch_loss is False
