@@ -91,6 +91,23 @@ class MicroBatchSetting:
     def _capped(self, size: int) -> int:
         return size if self.cap is None else min(size, self.cap)
 
+    def describe(self) -> str:
+        """The setting in words, as `model.summary()` shows it."""
+        per_replica = " per replica" if self.replicas > 1 else ""
+        if self.micro_batch_size == "auto":
+            text = 'micro_batch_size="auto" (chosen at the first step)'
+        elif self.micro_batch_size is not None:
+            size = self.micro_batch_size
+            size = list(size) if isinstance(size, tuple) else size
+            text = f"micro_batch_size={size}{per_replica}"
+        elif self.accumulation_steps is not None:
+            text = f"accumulation_steps={self.accumulation_steps}{per_replica}"
+        else:
+            text = "each batch one micro-batch (micro_batch_size=None)"
+        if self.cap is not None:
+            text += f", capped at {self.cap} by keras-memopt run"
+        return text
+
     def splits(self) -> bool:
         """Whether the setting may split a batch into several micro-batches."""
         return self.micro_batch_size is not None or (self.accumulation_steps or 1) > 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import (
+    _io,
     _keras,
     _losses,
     _runner,
@@ -414,6 +415,25 @@ class AccumulatingModel(
         if distribute.writes_files(self.distribute_strategy):
             return super().save(filepath, *args, **kwargs)
         return None
+
+    def summary(self, *args, **kwargs):
+        """Keras's summary, then how each batch is split, recomputed and its loss taken."""
+        super().summary(*args, **kwargs)
+        print_fn = kwargs.get("print_fn") or (args[2] if len(args) > 2 else None)
+        (print_fn or _io.print_msg)(self._split_summary())
+
+    def _split_summary(self) -> str:
+        segments = self.recomputed_segments
+        remat = "none" if not segments else (
+            f"{len(segments)} recomputed segment(s) (remat={self.remat!r}): "
+            + "; ".join(", ".join(names) for names in segments)
+        )
+        loss = "once on the whole batch's outputs" if self.whole_batch_loss else "per micro-batch"
+        return (
+            f" Micro-batches: {self._setting.describe()}\n"
+            f" Recomputation: {remat}\n"
+            f" Loss: {loss} (whole_batch_loss={self.whole_batch_loss})"
+        )
 
     def save_weights(self, filepath, *args, **kwargs):
         if distribute.writes_files(self.distribute_strategy):

@@ -276,6 +276,9 @@ class TestWarning:
         messages = [str(w.message) for w in caught if "runs the whole batch" in str(w.message)]
         assert len(messages) == 1
         assert "Whole.train_step" in messages[0]
+        # Said where the user's `train_step` is written, not in TensorFlow's code.
+        located = [w for w in caught if "runs the whole batch" in str(w.message)][0]
+        assert located.filename == __file__
         assert "self.accumulate_gradients(loss_fn, data, variables)" in messages[0]
         assert "micro_batch_size=5" in messages[0]
 

@@ -597,6 +597,24 @@ class _ForwardCounter(layers.Layer):
         return inputs
 
 
+def test_summary_says_how_each_batch_is_split():
+    lines = []
+    model = _mlp(AccumulatingModel, regularized=False, micro_batch_size=8, remat=["dense"])
+    model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    assert lines[-1].splitlines() == [
+        " Micro-batches: micro_batch_size=8",
+        " Recomputation: 1 recomputed segment(s) (remat=['dense']): dense",
+        " Loss: per micro-batch (whole_batch_loss=False)",
+    ]
+    model = _mlp(AccumulatingModel, accumulation_steps=4, whole_batch_loss=True)
+    model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    assert lines[-1].splitlines() == [
+        " Micro-batches: accumulation_steps=4",
+        " Recomputation: none",
+        " Loss: once on the whole batch's outputs (whole_batch_loss=True)",
+    ]
+
+
 class TestBadInput:
     @pytest.mark.parametrize(
         "kwargs, match",
@@ -616,6 +634,25 @@ class TestBadInput:
     def test_invalid_split_is_refused(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             _mlp(AccumulatingModel, **kwargs)
+
+    @pytest.mark.parametrize(
+        "start, name, value",
+        [
+            (dict(micro_batch_size=8), "accumulation_steps", 2),
+            (dict(accumulation_steps=2), "micro_batch_size", 8),
+        ],
+    )
+    def test_setting_one_split_while_the_other_is_set_is_refused(self, start, name, value):
+        model = _mlp(AccumulatingModel, **start)
+        other = "micro_batch_size" if name == "accumulation_steps" else "accumulation_steps"
+        with pytest.raises(ValueError, match=rf"`{other}` is set.*Received: {name}={value}"):
+            setattr(model, name, value)
+        assert (model.micro_batch_size, model.accumulation_steps) == (
+            start.get("micro_batch_size"), start.get("accumulation_steps")
+        )
+        setattr(model, other, None)  # as the message says
+        setattr(model, name, value)
+        assert getattr(model, name) == value
 
     def test_micro_batch_size_can_change_mid_fit(self):
         x, y = _data(n=60)
