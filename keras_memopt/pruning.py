@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import os
 
-from keras_memopt import _keras as K
-from keras_memopt import _loop
+from keras_memopt import _keras, _loop
 from keras_memopt.models import AccumulatingModel
 
 __all__ = ["prune_low_magnitude", "strip_pruning"]
@@ -69,13 +68,13 @@ def _keras_3_error():
         "notebook, restart the kernel and set it in the first cell), install "
         'the extra with `pip install "keras_memopt[tfmot]"`, and build the '
         "model with `tf_keras` (or `tf.keras`). "
-        f"Received: Keras {K.keras.__version__} with {received}"
+        f"Received: Keras {_keras.keras.__version__} with {received}"
     )
 
 
 def _sparsity():
     """tfmot's `sparsity.keras` module, or a clear error saying what to do."""
-    if not K.LEGACY:
+    if not _keras.LEGACY:
         # Before importing tfmot, which would set TF_USE_LEGACY_KERAS=1 for
         # every process this one starts.
         raise _keras_3_error()
@@ -93,7 +92,7 @@ def _sparsity():
 
 
 def _check_model(model, expected=None):
-    expected = expected or K.keras.Model
+    expected = expected or _keras.keras.Model
     if not isinstance(model, expected):
         raise TypeError(
             f"`model` must be a tf_keras `{expected.__name__}`: with "
@@ -119,7 +118,7 @@ def _rewrap(original, rebuilt):
             for old, new in zip(original.layers, rebuilt.layers, strict=True)
         }
         remat = [names[name] for name in remat]
-    inputs, outputs = K.nested_inputs_outputs(rebuilt)
+    inputs, outputs = _keras.nested_inputs_outputs(rebuilt)
     return type(original)(
         inputs,
         outputs,
@@ -169,7 +168,7 @@ def prune_low_magnitude(model, **kwargs):
     """
     sparsity = _sparsity()
     for item in model if isinstance(model, list) else [model]:
-        _check_model(item, K.keras.layers.Layer)
+        _check_model(item, _keras.keras.layers.Layer)
     return _rewrap(model, sparsity.prune_low_magnitude(model, **kwargs))
 
 

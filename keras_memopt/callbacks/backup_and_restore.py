@@ -6,8 +6,7 @@ import os
 
 import numpy as np
 
-from keras_memopt import _keras as K
-from keras_memopt import _rollback, distribute
+from keras_memopt import _keras, _rollback, distribute
 from keras_memopt._keras import keras
 
 __all__ = ["BackupAndRestore"]
@@ -97,4 +96,4 @@ class _BackupAndRestore(keras.callbacks.BackupAndRestore):
             super().on_train_end(logs)
 
 
-BackupAndRestore = keras.callbacks.BackupAndRestore if K.LEGACY else _BackupAndRestore
+BackupAndRestore = keras.callbacks.BackupAndRestore if _keras.LEGACY else _BackupAndRestore

@@ -6,10 +6,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from keras_memopt import _keras as K
+from keras_memopt import _keras
 from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
-keras = K.keras
+keras = _keras.keras
 
 __all__ = [
     "MemoryEstimate",

@@ -15,10 +15,9 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras as K
-from keras_memopt import _subprocess
+from keras_memopt import _keras, _subprocess
 
-keras = K.keras
+keras = _keras.keras
 
 __all__ = [
     "CannotIsolate",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 
-from keras_memopt import _keras as K
+from keras_memopt import _keras
 from keras_memopt._io import print_msg
 from keras_memopt._validation import positive_int
 from keras_memopt.memory import default_device, format_bytes, parse_bytes
@@ -22,7 +22,7 @@ from keras_memopt.planning.plan import (
 
 __all__ = ["MEASURED_MARGIN", "SHAPES_ONLY_MARGIN", "MemoryPlan", "MemoryPlanner"]
 
-keras = K.keras
+keras = _keras.keras
 
 
 class MemoryPlanner:
