@@ -7,9 +7,12 @@ summed per row, None kept).
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from keras_memopt import _loop
+
+pytestmark = pytest.mark.line_independent  # no Keras code
 
 
 def _run(fn, data, size):
