@@ -41,6 +41,19 @@ from keras_memopt import _keras, _loop
 from keras_memopt._loss_check import SUM, LossForm, check, has_compiled_loss, overrides
 
 
+def check_mean_reduction(loss):
+    """Refuses, at `compile`, a `keras.losses.Loss` that does not average over samples."""
+    for item in tf.nest.flatten(loss):
+        reduction = _keras.loss_reduction(item)
+        if not _keras.mean_reduction(reduction):
+            raise ValueError(
+                "AccumulatingModel needs losses that average over the samples of a "
+                "batch (reduction='sum_over_batch_size', Keras's default) so that "
+                "micro-batches weighted by their share of the batch add up to the "
+                f"batch's loss. Received: loss={item!r} with reduction={reduction!r}"
+            )
+
+
 class LossSplit:
     """How `model`'s loss splits over micro-batches.
 

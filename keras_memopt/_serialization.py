@@ -9,7 +9,7 @@ class, the one that is saved and revived.
 
 from __future__ import annotations
 
-from keras_memopt import _keras, _shares, placement
+from keras_memopt import _keras, _shares, distribute, placement
 
 SETTING_ARGS = (
     "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts",
@@ -58,6 +58,18 @@ class SerializationMixin:
         self._plan_segments(remat)
         self._replica_shares = _shares.resolve_shares(shares, self.distribute_strategy)
         self.whole_batch_loss = whole_batch_loss
+
+    def save(self, filepath, *args, **kwargs):
+        # Under several workers Keras 3 makes every worker write the same file
+        # (`ModelCheckpoint` included): the chief writes, the others skip.
+        if distribute.writes_files(self.distribute_strategy):
+            return super().save(filepath, *args, **kwargs)
+        return None
+
+    def save_weights(self, filepath, *args, **kwargs):
+        if distribute.writes_files(self.distribute_strategy):
+            return super().save_weights(filepath, *args, **kwargs)
+        return None
 
     def get_config(self):
         return {**_keras.functional_config(self, super().get_config()), **self._setting_config()}

@@ -9,11 +9,9 @@ from keras_memopt import (
     _keras,
     _losses,
     _runner,
-    _segments,
     _shares,
     _update,
     _validation,
-    distribute,
     placement,
 )
 from keras_memopt import remat as _remat
@@ -28,7 +26,12 @@ keras = _keras.keras
 
 
 class AccumulatingModel(
-    MicroBatchSteps, CustomSteps, placement.PlacementMixin, SerializationMixin, keras.Model
+    MicroBatchSteps,
+    CustomSteps,
+    _remat.RematMixin,
+    placement.PlacementMixin,
+    SerializationMixin,
+    keras.Model,
 ):
     """A `keras.Model` whose train step accumulates gradients over micro-batches.
 
@@ -329,55 +332,10 @@ class AccumulatingModel(
             if isinstance(function, _runner.StepRunner):
                 function.reset()
 
-    # -- recomputation ------------------------------------------------------------
-
-    @property
-    def remat(self) -> str | list[str] | None:
-        """The recomputed segments: None, "auto" or the cut layers' names.
-
-        Setting it re-plans the segments; the next training step runs with
-        them (the train step is traced again).
-        """
-        return self._remat if not isinstance(self._remat, tuple) else list(self._remat)
-
-    @remat.setter
-    def remat(self, value):
-        self._plan_segments(value)
-
-    def _plan_segments(self, value):
-        # Not `self.remat = ...` in this class: TensorFlow's attribute tracking
-        # skips an assignment of the value an attribute already has.
-        value = _remat.validate_remat(value)
-        _remat.check_target(value, isinstance(self, _keras.Functional), self)
-        plan = placement.build_plan(self, value, self._placement)
-        # Plain holders: Keras must not track the segments as sublayers.
-        self._remat = value if value is None or isinstance(value, str) else tuple(value)
-        self._segment_plan = plan
-        self._retrace()
-
-    @property
-    def recomputed_segments(self) -> list[list[str]]:
-        """The names of the layers in each segment recomputed in the backward pass.
-
-        What `remat` (`"auto"` or the names given) chose, in order; empty
-        without recomputation.
-        """
-        return _segments.recomputed_layer_names(self._segment_plan)
-
     # -- compile and the step functions ------------------------------------------
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
-        for item in tf.nest.flatten(loss):
-            reduction = _keras.loss_reduction(item)
-            if not _keras.mean_reduction(reduction):
-                raise ValueError(
-                    "AccumulatingModel needs losses that average over the "
-                    "samples of a batch (reduction='sum_over_batch_size', "
-                    "Keras's default) so that micro-batches weighted by their "
-                    "share of the batch add up to the batch's loss. Received: "
-                    f"loss={item!r} with reduction={reduction!r}"
-                )
+        _losses.check_mean_reduction(kwargs.get("loss", args[1] if len(args) > 1 else None))
         jit = placement.jit_compile(self._placement, jit_compile)
         super().compile(*args, **_keras.compile_kwargs(jit), **kwargs)
         self._micro_batch_jit_compile = _keras.resolve_jit_compile(self, jit)
@@ -409,13 +367,6 @@ class AccumulatingModel(
         # step's own batch instead (`_prepare_step`).
         return
 
-    def save(self, filepath, *args, **kwargs):
-        # Under several workers Keras 3 makes every worker write the same file
-        # (`ModelCheckpoint` included): the chief writes, the others skip.
-        if distribute.writes_files(self.distribute_strategy):
-            return super().save(filepath, *args, **kwargs)
-        return None
-
     def summary(self, *args, **kwargs):
         """Keras's summary, then how each batch is split, recomputed and its loss taken."""
         super().summary(*args, **kwargs)
@@ -435,10 +386,6 @@ class AccumulatingModel(
             f" Loss: {loss} (whole_batch_loss={self.whole_batch_loss})"
         )
 
-    def save_weights(self, filepath, *args, **kwargs):
-        if distribute.writes_files(self.distribute_strategy):
-            return super().save_weights(filepath, *args, **kwargs)
-        return None
 
 
 # An `AccumulatingModel` instance is functional (the subclassed form is the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 
-from keras_memopt import _keras
+from keras_memopt import _keras, _segments, placement
 from keras_memopt._recompute import check_no_activity_regularizer, recompute
 from keras_memopt._segments import plan_segments
 
@@ -140,3 +140,40 @@ def check_target(remat, functional, model):
             "subclassed model wraps its blocks in `keras_memopt.Remat` "
             f"instead. Received: remat={remat!r} for {type(model).__name__}"
         )
+
+
+class RematMixin:
+    """`AccumulatingModel`'s `remat` setting and the segments it chose (a mixin)."""
+
+    @property
+    def remat(self) -> str | list[str] | None:
+        """The recomputed segments: None, "auto" or the cut layers' names.
+
+        Setting it re-plans the segments; the next training step runs with
+        them (the train step is traced again).
+        """
+        return self._remat if not isinstance(self._remat, tuple) else list(self._remat)
+
+    @remat.setter
+    def remat(self, value):
+        self._plan_segments(value)
+
+    def _plan_segments(self, value):
+        # Not `self.remat = ...` in this class: TensorFlow's attribute tracking
+        # skips an assignment of the value an attribute already has.
+        value = validate_remat(value)
+        check_target(value, isinstance(self, _keras.Functional), self)
+        plan = placement.build_plan(self, value, self._placement)
+        # Plain holders: Keras must not track the segments as sublayers.
+        self._remat = value if value is None or isinstance(value, str) else tuple(value)
+        self._segment_plan = plan
+        self._retrace()
+
+    @property
+    def recomputed_segments(self) -> list[list[str]]:
+        """The names of the layers in each segment recomputed in the backward pass.
+
+        What `remat` (`"auto"` or the names given) chose, in order; empty
+        without recomputation.
+        """
+        return _segments.recomputed_layer_names(self._segment_plan)
