@@ -212,8 +212,8 @@ class AccumulatingModel(
 
         Args:
             model: a built `keras.Model`.
-            micro_batch_size, accumulation_steps, remat, devices, device_cuts,
-                whole_batch_loss: as for the constructor.
+            micro_batch_size, accumulation_steps, remat, devices, device_cuts, whole_batch_loss: as
+                for the constructor.
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
