@@ -119,3 +119,25 @@ def test_shares_need_a_mirrored_strategy():
 def test_sizes_per_replica_must_match_the_replicas(mirrored_strategy):
     with mirrored_strategy.scope(), pytest.raises(ValueError, match=r"2 replica\(s\)"):
         _build(AccumulatingModel, micro_batch_size=[4, 4, 4])
+
+
+def test_after_another_model_under_a_strategy_without_collective_keys():
+    """docs/distributed.md, "One strategy per process": a second MirroredStrategy
+    that reduces on one device hands out no collective keys to clash with the
+    first's, so uneven shares train after another model (of other shapes)."""
+    x, y = _data()
+    fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy = tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        inputs = keras.Input((6,))
+        other = keras.Model(inputs, layers.Dense(7)(inputs))
+        other.compile("sgd", "mse")
+        other.fit(x, np.zeros((len(x), 7), "float32"), **fit)
+        model = _build(AccumulatingModel, replica_shares=[3, 1], micro_batch_size=[5, 2])
+    one_device = _build(keras.Model)
+    one_device.fit(x, y, **fit)
+    model.fit(x, y, **fit)
+    for a, b in zip(one_device.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(b, a, **TOLERANCE)
