@@ -1,9 +1,9 @@
 """`micro_batch_size="auto"`: the largest micro-batch that runs, found by trying.
 
 The first step starts with the whole batch as one micro-batch; each
-out-of-memory error is rolled back and the micro-batch shrunk by the attached
-`OOMBackoff` (or a quiet one with its defaults), and the first attempt that
-runs is the real step. The choice and its cost are reported once.
+out-of-memory error is rolled back and the micro-batch shrunk by the policy
+an `OOMBackoff` attached (or a quiet `BackoffPolicy` with its defaults), and
+the first attempt that runs is the real step. The choice and its cost are reported once.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from __future__ import annotations
 import time
 
 from keras_memopt import _io
+from keras_memopt._backoff import BackoffPolicy
 
 
 class AutoSearch:
     """One search, from the first batch of `batch_size` samples per replica."""
 
     def __init__(self, model, batch_size):
-        from keras_memopt.callbacks.oom_backoff import OOMBackoff
-
         self.model = model
-        self.policy = model.oom_policy or OOMBackoff(verbose=0)
+        self.policy = model.oom_policy or BackoffPolicy(verbose=0)
         self._known = len(self.policy.backoffs)
         self.started = time.perf_counter()
         model.micro_batch_size = None

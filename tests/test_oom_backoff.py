@@ -301,6 +301,16 @@ class TestBackoff:
         assert [b["micro_batch_size"] for b in backoff.backoffs] == [4]
         assert int(model.optimizer.iterations.numpy()) == 2
 
+    def test_the_callback_attaches_its_policy_and_puts_back_the_one_before(self):
+        x, y = _data(n=32)
+        model = _model(micro_batch_size=32, limit=8)
+        before = OOMBackoff(verbose=0).policy
+        model.oom_policy = before
+        backoff = OOMBackoff(factor=0.25, verbose=0)
+        _fit(model, x, y, [backoff])
+        assert [b["micro_batch_size"] for b in backoff.backoffs] == [8]  # its factor
+        assert model.oom_policy is before and before.backoffs == []
+
     def test_accumulation_steps_give_way_to_the_smaller_micro_batch(self):
         x, y = _data(n=32)
         model = _model(limit=8)

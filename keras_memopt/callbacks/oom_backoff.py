@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from keras_memopt import _io, _keras
+from keras_memopt._backoff import BackoffPolicy
 from keras_memopt._keras import keras
-from keras_memopt._oom_errors import OutOfMemory, Phase, allocation_note, parse_oom, report
-from keras_memopt._validation import backoff_factor, positive_int, shrink
 
 
 class OOMBackoff(keras.callbacks.Callback):
@@ -44,6 +41,11 @@ class OOMBackoff(keras.callbacks.Callback):
     runs whole or not at all. With a custom `train_step` the whole state is
     kept on the device during each step, which costs its size again at the
     update.
+
+    The rule is a `BackoffPolicy` (`keras_memopt._backoff`) that the callback
+    owns (`policy`) and sets as the model's `oom_policy` for the length of
+    `fit`, `evaluate` or `predict`; at their end it puts back what it changed:
+    the model's previous policy, and XLA where it turned XLA off.
 
     The micro-batch size is run-time state of the step, so a retry traces
     nothing: it costs the failed attempt (with TensorFlow's own wait before it
@@ -90,98 +92,30 @@ class OOMBackoff(keras.callbacks.Callback):
         self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1
     ):
         super().__init__()
-        self.factor = backoff_factor(factor)
-        self.min_micro_batch_size = positive_int("min_micro_batch_size", min_micro_batch_size)
-        self.verbose = verbose
-        self.backoffs: list[dict] = []
+        self.policy = BackoffPolicy(factor, min_micro_batch_size, verbose)
         self._depth = 0
         self._xla_turned_off = False
-        self._last_failure = None
+        self._previous_policy = None
 
-    # -- the policy the step runner follows ------------------------------------------
+    @property
+    def factor(self) -> float:
+        """What the micro-batch is multiplied by at each backoff."""
+        return self.policy.factor
 
-    def back_off(self, model, failure: OutOfMemory):
-        """Sets the micro-batch size to retry with after `failure`, or raises the report.
+    @property
+    def min_micro_batch_size(self) -> int:
+        """The smallest micro-batch tried."""
+        return self.policy.min_micro_batch_size
 
-        Called by the step runner after it put the failed step back.
+    @property
+    def verbose(self) -> int:
+        """0 for quiet, 1 to print a line per backoff."""
+        return self.policy.verbose
 
-        Raises:
-            tf.errors.ResourceExhaustedError: where a smaller micro-batch
-                cannot help: naming the phase, the bytes and what to try.
-        """
-        refusal = self._refusal(failure)
-        if refusal is not None:
-            phase, note = refusal
-            message = report(
-                failure.error, phase, failure.memory, failure.micro_batch_size,
-                self.min_micro_batch_size, note,
-            )
-            raise tf.errors.ResourceExhaustedError(None, None, message) from failure.error
-        current = failure.micro_batch_size
-        # Per-replica sizes all shrink: the failed step does not say which
-        # replica's memory ran out.
-        shrunk = tuple(
-            size if size <= self.min_micro_batch_size
-            else shrink(size, self.factor, self.min_micro_batch_size)
-            for size in _sizes(current)
-        )
-        if model.accumulation_steps is not None:
-            model.accumulation_steps = None  # a size replaces the number of micro-batches
-        model.micro_batch_size = shrunk if isinstance(current, tuple) else shrunk[0]
-        self._last_failure = failure
-        event = dict(
-            kind=failure.kind,
-            phase=failure.phase.name.lower(),
-            allocation=allocation_note(failure.error),
-            failed_micro_batch_size=current,
-            micro_batch_size=model.micro_batch_size,
-            failed_step_seconds=failure.failed_step_seconds,
-            recovery_seconds=failure.recovery_seconds,
-        )
-        self.backoffs.append(event)
-        if self.verbose:
-            _io.print_msg(
-                f"OOMBackoff: out of memory in a {event['kind']} step at "
-                f"micro_batch_size={current}{event['allocation']}; retrying the same "
-                f"batch with micro_batch_size={event['micro_batch_size']}."
-            )
-
-    def _refusal(self, failure):
-        """`(phase, note)` to report instead of backing off, or None."""
-        if not failure.phase.micro_batch_helps:
-            return failure.phase, None
-        if failure.micro_batch_size is None or all(
-            size <= self.min_micro_batch_size for size in _sizes(failure.micro_batch_size)
-        ):
-            return failure.phase, None
-        memory = failure.memory
-        floor = [failure.memory_in_use, memory.gradient_sum, memory.largest_gradient]
-        if failure.kind == "train" and memory.device_total is not None and None not in floor:
-            if sum(floor) > memory.device_total:
-                return Phase.GRADIENT_SUM, (
-                    "Whatever the micro-batch size, a training step holds the gradient "
-                    "sum and one micro-batch's gradient of the largest variable beside "
-                    "what is in use when it starts, and they do not fit: "
-                    f"{sum(floor)} bytes are needed, {memory.device_total} can be had."
-                )
-        if memory.device_total is None and self._repeated(failure):
-            return failure.phase, (
-                "The micro-batch was halved and the same allocation, whose size does "
-                "not depend on the micro-batch, failed again: the micro-batch size is "
-                "not what fills the device."
-            )
-        return None
-
-    def _repeated(self, failure):
-        """Whether `failure` repeats the last one's allocation, which no micro-batch sized."""
-        last = self._last_failure
-        if last is None or last.phase is not failure.phase:
-            return False
-        now, before = parse_oom(str(failure.error)), parse_oom(str(last.error))
-        if now["shape"] is None or (now["op"], now["shape"]) != (before["op"], before["shape"]):
-            return False
-        sizes = {*_sizes(failure.micro_batch_size), *_sizes(last.micro_batch_size)}
-        return not sizes & set(now["shape"])
+    @property
+    def backoffs(self) -> list[dict]:
+        """One dict per backoff of the last `fit` (and the `evaluate` and `predict` since)."""
+        return self.policy.backoffs
 
     # -- attaching to the model --------------------------------------------------------
 
@@ -202,7 +136,8 @@ class OOMBackoff(keras.callbacks.Callback):
         if self._depth == 0:
             if model.micro_batch_jit_compile:
                 self._leave_xla(model)
-            model.oom_policy = self
+            self._previous_policy = model.oom_policy
+            model.oom_policy = self.policy
         self._depth += 1
 
     def _leave_xla(self, model):
@@ -233,16 +168,16 @@ class OOMBackoff(keras.callbacks.Callback):
         model = self.model
         if self._depth or model is None:
             return
-        if getattr(model, "oom_policy", None) is self:
-            model.oom_policy = None
+        if getattr(model, "oom_policy", None) is self.policy:
+            model.oom_policy = self._previous_policy
+        self._previous_policy = None
         if self._xla_turned_off:
             model.micro_batch_jit_compile = True
             self._xla_turned_off = False
 
     def on_train_begin(self, logs=None):
-        self.backoffs = []
+        self.policy.reset()
         self._depth = 0
-        self._last_failure = None
         self._attach()
 
     def on_train_end(self, logs=None):
@@ -259,7 +194,3 @@ class OOMBackoff(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._detach()
-
-
-def _sizes(size):
-    return size if isinstance(size, tuple) else (size,)

@@ -1,0 +1,150 @@
+"""The out-of-memory backoff policy: shrink the micro-batch where that helps, else report.
+
+`BackoffPolicy` is what the step runner asks after an attempt at a step ran
+out of memory and was put back (`keras_memopt._runner`): it either sets the
+smaller micro-batch to retry the same batch with, or raises the one report
+that says why no smaller micro-batch can help. `OOMBackoff` (a callback) owns
+one and attaches it to the model for the length of `fit`, `evaluate` or
+`predict`; `micro_batch_size="auto"` uses the attached one, or a quiet one of
+its own (`keras_memopt._auto_search`).
+
+The rule, by where memory ran out (`keras_memopt._oom_errors.Phase`):
+
+- in a micro-batch's forward and backward pass (or evaluation): multiply the
+  micro-batch size by `factor` (`keras_memopt._validation.shrink`), down to
+  `min_micro_batch_size`, where the report is raised instead;
+- in the gradient sum or the optimizer update: no micro-batch size needs
+  less memory there, so the report is raised at once;
+- in the micro-batch pass, where the device's total is known and cannot
+  hold the gradient sum and one micro-batch's gradient of the largest
+  variable beside what was in use when the step started: reported at once,
+  as the gradient sum's;
+- where the device's total is not known: one trial halving; when the same
+  allocation (the same op and shape, no dimension of which is the
+  micro-batch) fails again, the report says the micro-batch was not the
+  cause.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_memopt import _io
+from keras_memopt._oom_errors import OutOfMemory, Phase, allocation_note, parse_oom, report
+from keras_memopt._validation import backoff_factor, positive_int, shrink
+
+
+class BackoffPolicy:
+    """Decides, after an out-of-memory error, the micro-batch to retry with, or refuses.
+
+    Args:
+        factor: float in (0, 1), what the micro-batch is multiplied by at
+            each backoff. Defaults to `0.5`.
+        min_micro_batch_size: int, the smallest micro-batch to try. Defaults
+            to `1`.
+        verbose: int, 0 for quiet, 1 to print a line per backoff. Defaults
+            to `1`.
+
+    Raises:
+        ValueError: if `factor` is not in (0, 1) or `min_micro_batch_size`
+            is not a positive integer.
+    """
+
+    def __init__(self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1):
+        self.factor = backoff_factor(factor)
+        self.min_micro_batch_size = positive_int("min_micro_batch_size", min_micro_batch_size)
+        self.verbose = verbose
+        self.backoffs: list[dict] = []
+        self._last_failure = None
+
+    def reset(self):
+        """Forgets the backoffs so far (a new `fit`)."""
+        self.backoffs = []
+        self._last_failure = None
+
+    def back_off(self, model, failure: OutOfMemory):
+        """Sets the micro-batch size to retry with after `failure`, or raises the report.
+
+        Called by the step runner after it put the failed step back.
+
+        Raises:
+            tf.errors.ResourceExhaustedError: where a smaller micro-batch
+                cannot help: naming the phase, the bytes and what to try.
+        """
+        refusal = self._refusal(failure)
+        if refusal is not None:
+            phase, note = refusal
+            message = report(
+                failure.error, phase, failure.memory, failure.micro_batch_size,
+                self.min_micro_batch_size, note,
+            )
+            raise tf.errors.ResourceExhaustedError(None, None, message) from failure.error
+        current = failure.micro_batch_size
+        # Per-replica sizes all shrink: the failed step does not say which
+        # replica's memory ran out.
+        shrunk = tuple(
+            size if size <= self.min_micro_batch_size
+            else shrink(size, self.factor, self.min_micro_batch_size)
+            for size in _sizes(current)
+        )
+        if model.accumulation_steps is not None:
+            model.accumulation_steps = None  # a size replaces the number of micro-batches
+        model.micro_batch_size = shrunk if isinstance(current, tuple) else shrunk[0]
+        self._last_failure = failure
+        event = dict(
+            kind=failure.kind,
+            phase=failure.phase.name.lower(),
+            allocation=allocation_note(failure.error),
+            failed_micro_batch_size=current,
+            micro_batch_size=model.micro_batch_size,
+            failed_step_seconds=failure.failed_step_seconds,
+            recovery_seconds=failure.recovery_seconds,
+        )
+        self.backoffs.append(event)
+        if self.verbose:
+            _io.print_msg(
+                f"OOMBackoff: out of memory in a {event['kind']} step at "
+                f"micro_batch_size={current}{event['allocation']}; retrying the same "
+                f"batch with micro_batch_size={event['micro_batch_size']}."
+            )
+
+    def _refusal(self, failure):
+        """`(phase, note)` to report instead of backing off, or None."""
+        if not failure.phase.micro_batch_helps:
+            return failure.phase, None
+        if failure.micro_batch_size is None or all(
+            size <= self.min_micro_batch_size for size in _sizes(failure.micro_batch_size)
+        ):
+            return failure.phase, None
+        memory = failure.memory
+        floor = [failure.memory_in_use, memory.gradient_sum, memory.largest_gradient]
+        if failure.kind == "train" and memory.device_total is not None and None not in floor:
+            if sum(floor) > memory.device_total:
+                return Phase.GRADIENT_SUM, (
+                    "Whatever the micro-batch size, a training step holds the gradient "
+                    "sum and one micro-batch's gradient of the largest variable beside "
+                    "what is in use when it starts, and they do not fit: "
+                    f"{sum(floor)} bytes are needed, {memory.device_total} can be had."
+                )
+        if memory.device_total is None and self._repeated(failure):
+            return failure.phase, (
+                "The micro-batch was halved and the same allocation, whose size does "
+                "not depend on the micro-batch, failed again: the micro-batch size is "
+                "not what fills the device."
+            )
+        return None
+
+    def _repeated(self, failure):
+        """Whether `failure` repeats the last one's allocation, which no micro-batch sized."""
+        last = self._last_failure
+        if last is None or last.phase is not failure.phase:
+            return False
+        now, before = parse_oom(str(failure.error)), parse_oom(str(last.error))
+        if now["shape"] is None or (now["op"], now["shape"]) != (before["op"], before["shape"]):
+            return False
+        sizes = {*_sizes(failure.micro_batch_size), *_sizes(last.micro_batch_size)}
+        return not sizes & set(now["shape"])
+
+
+def _sizes(size):
+    return size if isinstance(size, tuple) else (size,)
