@@ -5,6 +5,14 @@ A model that overrides `train_step` computes its gradients with
 (`keras_memopt._loop`), per micro-batch or, with `forward`, for a loss over
 the whole batch's outputs (`keras_memopt._whole_batch`). A custom step that
 calls neither it nor `super().train_step` saves no memory, and is told so.
+
+Before the first step, a custom step runs once eagerly on the batch's first
+two samples, as far as its first `accumulate_gradients` call
+(`_check_custom_loss`): its `loss_fn` is evaluated on those samples, again,
+and on the samples repeated. A per-sample mean keeps its value; a loss that
+changes couples the samples, which micro-batches cannot add up, and is warned
+about once. A loss that draws random numbers (a GAN's noise) cannot be
+checked this way and is not. What the run changed is put back.
 """
 
 from __future__ import annotations
@@ -14,9 +22,19 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _whole_batch
+from keras_memopt import _keras, _loop, _rollback, _whole_batch
+from keras_memopt._loss_check import MEAN, first_samples, kind_of, repeat, what_changed
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
+_CHECKED_CUSTOM_LOSSES: set[type] = set()
+
+
+class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the step
+    """Ends the probe run of a custom step at its first `accumulate_gradients`."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
 
 
 class CustomSteps:
@@ -40,6 +58,49 @@ class CustomSteps:
             )
         return outputs
 
+
+    def _check_custom_loss(self, data):
+        """Warns once per class when a custom step's per-micro-batch loss couples the samples."""
+        cls = type(self)
+        if cls in _CHECKED_CUSTOM_LOSSES or tf.distribute.has_strategy():
+            return
+        _CHECKED_CUSTOM_LOSSES.add(cls)
+        snapshot = _rollback.Snapshot(
+            lambda: _rollback.loop_variables(self), self.distribute_strategy
+        )
+        taken = snapshot.take()
+        self._probing = True
+        try:
+            self.train_step(first_samples(data, 2))
+            return  # no accumulate_gradients call
+        except _Probed as probed:
+            values = probed.values
+        except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
+            return
+        finally:
+            self._probing = False
+            snapshot.restore(taken)
+        if values is None:
+            return
+        once, again, twice = values
+        if abs(again - once) <= 1e-6 * max(abs(once), 1e-12) and kind_of(once, twice) != MEAN:
+            _warn_at(
+                cls.train_step,
+                f"{cls.__name__}.train_step: the `loss_fn` given to "
+                "`accumulate_gradients` is not a mean of per-sample terms: it "
+                f"{what_changed(once, twice)}. Its micro-batches' losses do not add up to "
+                "the batch's (a contrastive loss whose negatives are the batch's other "
+                "rows), so the gradients are not the batch's. Pass "
+                "`forward=lambda micro_batch: outputs` and a `loss_fn(outputs, data)` of "
+                "the whole batch's outputs to `accumulate_gradients`.",
+            )
+
+    def _probe_loss(self, loss_fn, data, forward):
+        """In the probe run: the loss values `_check_custom_loss` compares, then out."""
+        if forward is not None:
+            raise _Probed(None)  # a loss of the whole batch: nothing to check
+        values = [float(loss_fn(sample)) for sample in (data, data, repeat(data))]
+        raise _Probed(values)
 
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.
@@ -104,6 +165,8 @@ class CustomSteps:
         ```
         """
         self._accumulating = True
+        if self._probing:
+            self._probe_loss(loss_fn, data, forward)
         _loop.check_splittable(data)
         variables = list(variables)
         optimizer = getattr(self, "optimizer", None) if optimizer is None else optimizer

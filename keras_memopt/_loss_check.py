@@ -75,8 +75,8 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
     x, y, _ = _keras.unpack_x_y_sample_weight(data)
     if not [t for t in tf.nest.flatten(x) if t is not None]:
         return LossForm()
-    pair = _first_samples(x, 2), _first_samples(y, 2)
-    twice = _repeat(pair[0]), _repeat(pair[1])
+    pair = first_samples(x, 2), first_samples(y, 2)
+    twice = repeat(pair[0]), repeat(pair[1])
     _keras.build_step_state(model, *pair)
     # What the probes change (metrics, random seeds, counters) is put back.
     snapshot = _rollback.Snapshot(
@@ -89,15 +89,15 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
         for metric in model.metrics:  # the loss trackers may be new
             metric.reset_state()
         snapshot.restore(taken)
-    if not whole_batch_loss and not np.isnan(once[0]) and _kind(once[0], once[1]) != MEAN:
+    if not whole_batch_loss and not np.isnan(once[0]) and kind_of(once[0], once[1]) != MEAN:
         raise ValueError(_coupled_message(model, once[0], once[1]))
     terms = []
     for index, (a, b, c) in enumerate(zip(once[2:], again[2:], doubled[2:], strict=True)):
-        kind = _kind(a, c, spread=abs(b - a))
+        kind = kind_of(a, c, spread=abs(b - a))
         if kind is None:
             raise ValueError(
                 "AccumulatingModel cannot split a loss term over micro-batches "
-                f"exactly: term {index} of `model.losses` {_what(a, c)}, neither the "
+                f"exactly: term {index} of `model.losses` {what_changed(a, c)}, neither the "
                 "same (a mean over samples) nor twice as large (a sum). Add it "
                 "as separate terms, one that sums over samples and one that "
                 f"does not. Received: model.losses[{index}]"
@@ -112,7 +112,7 @@ def _coupled_message(model, once, twice):
         "AccumulatingModel adds up each micro-batch's loss weighted by its share "
         "of the batch, which equals the batch's loss when the loss is a mean of "
         f"per-sample terms; this {where} is not: on the same outputs it "
-        f"{_what(once, twice)}, so it sums over the batch or couples its samples "
+        f"{what_changed(once, twice)}, so it sums over the batch or couples its samples "
         "(a contrastive loss whose negatives are the batch's other rows, a listwise "
         "ranking loss). Pass `whole_batch_loss=True` to AccumulatingModel to evaluate "
         "it once on the whole batch's outputs (exact for any loss of the outputs, "
@@ -142,11 +142,11 @@ def _evaluate(model, x, y):
     if overrides(model, "compute_loss"):
         once = _keras.compute_loss(model, x, y, y_pred, None, training=False)
         twice = _keras.compute_loss(
-            model, _repeat(x), _repeat(y), _repeat(y_pred), None, training=False
+            model, repeat(x), repeat(y), repeat(y_pred), None, training=False
         )
     elif y is not None and has_compiled_loss(model):
         once = _keras.compiled_loss(model, y, y_pred, None, [])
-        twice = _keras.compiled_loss(model, _repeat(y), _repeat(y_pred), None, [])
+        twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
     return tf.stack([tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms])
 
 
@@ -179,11 +179,11 @@ def ignore_classes(model) -> tuple:
 # -- the probe's data ------------------------------------------------------------------
 
 
-def _first_samples(data, count):
+def first_samples(data, count):
     return tf.nest.map_structure(lambda t: None if t is None else t[:count], data)
 
 
-def _repeat(data):
+def repeat(data):
     """Every sample twice (`x + x`), masks included."""
 
     def twice(t):
@@ -198,7 +198,7 @@ def _repeat(data):
     return tf.nest.map_structure(twice, data)
 
 
-def _kind(once, twice, spread=0.0):
+def kind_of(once, twice, spread=0.0):
     """MEAN if a value stays when every sample is repeated, SUM if it doubles, else None.
 
     `spread`: how far two evaluations on the same samples differ (random
@@ -216,6 +216,6 @@ def _kind(once, twice, spread=0.0):
     return None
 
 
-def _what(once, twice):
+def what_changed(once, twice):
     ratio = twice / once if once else np.inf
     return f"went from {once:.6g} to {twice:.6g} (x{ratio:.3g}) when every sample was repeated"

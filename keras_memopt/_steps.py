@@ -77,7 +77,9 @@ class MicroBatchSteps:
         the first step is traced once; a model with no `call()` of its own
         (a GAN whose `train_step` calls its parts) is left to its step, as
         Keras leaves it. The model's own steps also check how their losses
-        split over micro-batches (`keras_memopt._losses.LossSplit.check`).
+        split over micro-batches (`keras_memopt._losses.LossSplit.check`), a
+        custom step the loss of its first `accumulate_gradients` call
+        (`keras_memopt._custom_steps`).
         """
         local = distribute.first_replica_part(data, self.distribute_strategy)
         buildable = isinstance(self, _keras.Functional) or (
@@ -87,6 +89,8 @@ class MicroBatchSteps:
             _keras.symbolic_build(self, local)
         if kind != "predict" and self._own_step(kind):
             self._loss_split.check(local, self._whole_batch_loss)
+        elif kind == "train":
+            self._check_custom_loss(local)
 
     def _forward(self, x, training):
         # Recomputed segments matter in training only; placed ones always.

@@ -186,6 +186,7 @@ class AccumulatingModel(
         self._loss_split = _losses.LossSplit(self)
         self._whole_batch_loss = whole_batch_loss
         self._accumulating = False
+        self._probing = False
         self.oom_policy = None
         self._set_placement(devices, device_cuts)
         self._remat, self._segment_plan = None, None

@@ -233,7 +233,9 @@ class TestAccumulateGradients:
                 return super().distillation_loss(data)
 
         _fit_distiller(Recording, **MICRO)
-        assert sizes[:6] == [5, 5, 5, 1, 5, 5]
+        # First the loss check on two samples, again, and repeated (eagerly,
+        # before the first step); then the step's micro-batches.
+        assert sizes[:9] == [2, 2, 4, 5, 5, 5, 1, 5, 5]
 
     def test_sparse_gradients_stay_sparse_with_each_row_once(self):
         keras.utils.set_random_seed(0)
@@ -262,6 +264,55 @@ class TestAccumulateGradients:
         np.testing.assert_allclose(
             tf.convert_to_tensor(gradient), tf.convert_to_tensor(expected), **TOLERANCE
         )
+
+
+class TestCoupledLoss:
+    """A `loss_fn` that couples the samples is warned about once, before the first step."""
+
+    @staticmethod
+    def _fit(loss_fn, forward=None):
+        class Contrastive(AccumulatingModel):
+            def train_step(self, data):
+                x, _ = data
+                variables = self.trainable_variables
+                if forward is None:
+                    loss, grads = self.accumulate_gradients(
+                        lambda micro: loss_fn(self(micro, training=True)), x, variables
+                    )
+                else:
+                    loss, grads = self.accumulate_gradients(
+                        lambda outputs, data: loss_fn(outputs), x, variables,
+                        forward=lambda micro: self(micro, training=True),
+                    )
+                self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+                return {"contrastive": loss}
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        model = Contrastive(inputs, layers.Dense(4)(inputs), micro_batch_size=5)
+        model.compile(keras.optimizers.SGD(0.1))
+        rng = np.random.RandomState(0)
+        x, y = rng.normal(size=(20, 6)).astype("float32"), np.zeros((20, 1), "float32")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+        return [w for w in caught if "not a mean of per-sample terms" in str(w.message)]
+
+    def test_a_contrastive_loss_fn_is_warned_about(self):
+        def contrastive(outputs):
+            logits = tf.matmul(outputs, outputs, transpose_b=True)
+            labels = tf.range(tf.shape(logits)[0])
+            return tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+            )
+
+        caught = self._fit(contrastive)
+        assert len(caught) == 1
+        assert "forward=" in str(caught[0].message) and caught[0].filename == __file__
+        assert not self._fit(contrastive, forward=True)  # a loss of the whole batch
+
+    def test_a_mean_is_not(self):
+        assert not self._fit(lambda outputs: tf.reduce_mean(tf.square(outputs)))
 
 
 class TestWarning:
