@@ -16,7 +16,7 @@ imports `keras_memopt.models` before loading a model).
 import os as _os
 import sys as _sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = ["AccumulatingModel", "Remat", "MemoryPlanner", "MemoryReader", "configure_devices"]
 

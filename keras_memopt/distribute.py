@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 
+__all__ = ["local_variables", "multi_worker", "reduce_per_replica", "step_function", "writes_files"]
+
 
 def multi_worker(strategy) -> bool:
     """Whether `strategy` spans several worker processes (as Keras itself tests it)."""

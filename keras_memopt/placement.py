@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from keras_memopt import _graph, _keras, _segments, _update
 
+__all__ = ["Placement", "PlacementMixin", "build_plan", "place", "validate"]
+
 
 class Placement:
     """Where a functional model's segments live.
