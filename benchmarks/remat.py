@@ -14,7 +14,8 @@ functional `AccumulatingModel` (one micro-batch per batch, SGD) with
 - the step time ratio: both models stay alive and their timed epochs are
   interleaved, so that a busy machine slows both alike; the ratio is the
   median over rounds of remat's epoch time over none's in the same round;
-- the number of segments `"auto"` chose (all but the last are recomputed).
+- the number of segments `"auto"` chose (`recomputed_segments`, and the
+  last, which is not recomputed).
 
 Run: python benchmarks/remat.py  (a few minutes on 2 cores; --models mlp
       --repeats 3 for a quicker look; --jit-compile to compile each step
@@ -106,11 +107,11 @@ def measure(name, repeats, jit_compile):
     for _ in range(repeats):
         times = {remat: _epoch(*models[remat]) for remat in (None, "auto")}
         ratios.append(times["auto"] / times[None])
-    plan = models["auto"][0]._remat_plan
+    recomputed = models["auto"][0].recomputed_segments
     return dict(
         model=name,
         batch=BATCH[name],
-        segments=0 if plan is None else len(plan.segments),
+        segments=len(recomputed) + 1 if recomputed else 0,
         peak_none=peaks[None] / 2**20,
         peak_auto=peaks["auto"] / 2**20,
         memory_ratio=peaks["auto"] / peaks[None],
