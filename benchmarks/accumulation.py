@@ -179,14 +179,15 @@ def setup(config):
 
 
 def skip_counting_pass(model):
-    """AccumulatingModel's step without its counting pass (`_valid_counts`):
+    """AccumulatingModel's step without its counting pass (`LossSplit.batch_counts`):
     for timing only, the loss is then wrong."""
     import tensorflow as tf
 
-    if not hasattr(model, "_valid_counts"):
-        raise RuntimeError("This keras_memopt has no counting pass (`_valid_counts`) to skip.")
+    split = getattr(model, "_loss_split", None)
+    if not hasattr(split, "batch_counts"):
+        raise RuntimeError("This keras_memopt has no counting pass (`batch_counts`) to skip.")
     outputs = len(model.outputs)
-    model._valid_counts = lambda x, size: tf.ones([outputs])
+    split.batch_counts = lambda forward, data, size, jit_compile=False: tf.ones([outputs])
 
 
 def bake_micro_batch_size(model, size):
@@ -195,9 +196,9 @@ def bake_micro_batch_size(model, size):
     import tensorflow as tf
 
     setting = getattr(model, "_setting", None)
-    if not hasattr(setting, "micro_batch_size"):
+    if not hasattr(setting, "size_tensor"):
         raise RuntimeError("This keras_memopt reads no run-time micro-batch setting.")
-    setting.micro_batch_size = lambda batch_size: tf.minimum(
+    setting.size_tensor = lambda batch_size: tf.minimum(
         tf.constant(size, batch_size.dtype), tf.maximum(batch_size, 1)
     )
 
