@@ -32,6 +32,29 @@ unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
 
 
+def check_line(name, value):
+    """Raises when `value` holds objects of the other Keras line than the one in use.
+
+    A process uses one line (`TF_USE_LEGACY_KERAS`, read when TensorFlow
+    starts): importing tensorflow-model-optimization first sets it to tf_keras
+    while `import keras` stays Keras 3, and the two lines' objects do not mix.
+    """
+    ours = "tf_keras" if LEGACY else "keras"
+    for leaf in tf.nest.flatten(value):
+        line = type(leaf).__module__.split(".")[0]
+        if line in ("keras", "tf_keras") and line != ours:
+            switch = "set" if LEGACY else "not set"
+            raise TypeError(
+                f"keras_memopt runs on {ours} in this process (TF_USE_LEGACY_KERAS was "
+                f"{switch} when it was imported; importing tensorflow_model_optimization "
+                f"sets it), but `{name}` holds {line} objects, which do not mix with "
+                f"{ours}'s. Build the "
+                f"model with {'`import tf_keras as keras`' if LEGACY else '`import keras`'}, "
+                "or set TF_USE_LEGACY_KERAS before anything imports TensorFlow. Received: "
+                f"{name} of type {type(leaf).__module__}.{type(leaf).__name__}"
+            )
+
+
 def is_functional_call(args, kwargs):
     """Whether model constructor arguments describe a functional model."""
     return (

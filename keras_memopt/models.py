@@ -170,6 +170,8 @@ class AccumulatingModel(
         shares = _shares.resolve_shares(replica_shares, strategy)
         whole_batch_loss = _validation.whole_batch_loss(whole_batch_loss, shares)
         functional = _keras.is_functional_call(args, kwargs)
+        if functional:
+            _keras.check_line("inputs", kwargs.get("inputs", args[0] if args else None))
         _remat.check_target(remat, functional, self)
         placement.validate(devices, device_cuts, self, functional)
         if functional and not isinstance(self, _keras.Functional):
@@ -221,6 +223,7 @@ class AccumulatingModel(
             An `AccumulatingModel` that trains, evaluates and predicts exactly
             as `model` would, in micro-batches.
         """
+        _keras.check_line("model", model)
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "

@@ -615,6 +615,19 @@ def test_summary_says_how_each_batch_is_split():
     ]
 
 
+def test_objects_of_the_other_keras_line_are_refused():
+    import importlib
+
+    other = importlib.import_module("keras" if LEGACY else "tf_keras")
+    inputs = other.Input((3,))
+    outputs = other.layers.Dense(1)(inputs)
+    line = "keras" if LEGACY else "tf_keras"
+    with pytest.raises(TypeError, match=rf"`inputs` holds {line} objects.*TF_USE_LEGACY_KERAS"):
+        AccumulatingModel(inputs, outputs)
+    with pytest.raises(TypeError, match=rf"`model` holds {line} objects"):
+        AccumulatingModel.from_model(other.Model(inputs, outputs))
+
+
 class TestBadInput:
     @pytest.mark.parametrize(
         "kwargs, match",
