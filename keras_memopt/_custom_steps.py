@@ -58,7 +58,6 @@ class CustomSteps:
             )
         return outputs
 
-
     def _check_custom_loss(self, data):
         """Warns once per class when a custom step's per-micro-batch loss couples the samples."""
         cls = type(self)
