@@ -174,10 +174,12 @@ class StepMemory:
         gradient_sum: the summed gradients: one float32 copy of the trainable weights.
         largest_gradient: the gradient of the largest variable, what a
             micro-batch holds beside the sum at least.
-        update: what the optimizer update allocates, measured at
-            `micro_batch_size`.
+        update: what the optimizer update allocates above its start, measured
+            at `micro_batch_size` in an earlier step.
         step_peak: the failed attempt's peak above what was in use when it
-            started (activations, gradients in flight, the gradient sum).
+            started, as the allocator measured it: the gradient sum, one
+            micro-batch's activations and the gradients in flight (the
+            micro-batch loop's peak, where the attempt reached its update).
         micro_batch_size: the micro-batch size of the failed attempt.
         device_total: the memory the device can hand out.
     """
@@ -199,12 +201,19 @@ class StepMemory:
             update = "not measured yet (no update has run at this micro-batch size)"
         else:
             update = f"{size(self.update)} at micro_batch_size={self.micro_batch_size}"
+        peak = f"{size(self.step_peak)} above its start"
+        if None not in (self.step_peak, self.gradient_sum) and self.step_peak > self.gradient_sum:
+            peak += (
+                f", {size(self.step_peak - self.gradient_sum)} of it beyond the gradient sum "
+                "(a micro-batch's activations and gradients)"
+            )
         return (
             f"weights {size(self.weights)}, optimizer state {size(self.optimizer_state)}, "
             f"gradient sum {size(self.gradient_sum)} (its largest variable "
-            f"{size(self.largest_gradient)}); the optimizer update's own memory: {update}; "
-            f"the largest micro-batch's step peak above its start: "
-            f"{size(self.step_peak)}; the device can hand out {size(self.device_total)}"
+            f"{size(self.largest_gradient)}); the failed attempt at "
+            f"micro_batch_size={self.micro_batch_size} peaked at {peak}, as measured; "
+            f"the optimizer update's own memory: {update}; the device can hand out "
+            f"{size(self.device_total)}"
         )
 
 
@@ -212,7 +221,7 @@ class StepMemory:
 class OutOfMemory:
     """An out-of-memory error that ended an attempt at a step, once it was put back.
 
-    What the step runner hands to the policy (`OOMBackoff.back_off`).
+    What the step runner hands to the policy (`keras_memopt._backoff.BackoffPolicy.back_off`).
     """
 
     kind: str

@@ -111,6 +111,7 @@ class StepRunner:
             search = AutoSearch(model, static_replica_batch(data))
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
+            model._update_guard.disarm()
             self._size_file.report(self._in_use(data))
             coordinator = self._coordinator(retrying=False)
             return coordinator.finish(coordinator.run(data, spec))
@@ -199,13 +200,13 @@ class StepRunner:
             return outputs, None
         recovery = time.perf_counter()
         phase = self._phase_of(error)
-        if phase is _oom_errors.Phase.UPDATE and not _reservation_failed(error):
+        if phase is _oom_errors.Phase.UPDATE and not self._update_refused(error):
             if host is None:
                 raise tf.errors.ResourceExhaustedError(
                     None, None, _oom_errors.report(error, phase, micro_batch_size=size, note=(
-                        "The update ran out of memory after its memory was reserved: the "
-                        "weights and optimizer variables may be partly updated; restore "
-                        "them from a checkpoint."
+                        "The update ran out of memory although what it was measured to "
+                        "need was free: the weights and optimizer variables may be partly "
+                        "updated; restore them from a checkpoint."
                     ))
                 ) from error
             host.restore()
@@ -257,7 +258,7 @@ class StepRunner:
         """Where in the step `error` happened (None: on another worker)."""
         if self.kind != "train":
             return _oom_errors.Phase.EVALUATION
-        if error is not None and _reservation_failed(error):
+        if error is not None and self._update_refused(error):
             return _oom_errors.Phase.UPDATE
         if self._guarded() and self.model._update_guard.update_began():
             return _oom_errors.Phase.UPDATE
@@ -266,9 +267,18 @@ class StepRunner:
             return _oom_errors.Phase.GRADIENT_SUM
         return _oom_errors.Phase.MICRO_BATCH
 
+    def _update_refused(self, error) -> bool:
+        """Whether the update's check or reservation failed: nothing of it ran."""
+        op = _oom_errors.parse_oom(str(error))["op"] or ""
+        return self.model._update_guard.refused() or "update_reservation" in op
+
     def _step_memory(self, size, device, in_use):
+        """What the failed attempt at micro-batch `size` held on `device`, from `in_use` on."""
         model = self.model
-        peak = memory.step_peak(device) if in_use is not None else None
+        guard = model._update_guard
+        # The loop's peak: read when the update began, in an attempt that
+        # measured it (a new window started there); else the attempt's peak.
+        peak = guard.loop_peak(device) or memory.step_peak(device)
         optimizer = getattr(model, "optimizer", None)
         trainable = model.trainable_variables
         return _oom_errors.StepMemory(
@@ -276,8 +286,8 @@ class StepRunner:
             optimizer_state=_bytes(_keras.optimizer_variables(optimizer)) if optimizer else 0,
             gradient_sum=sum(_elements(v) * 4 for v in trainable),
             largest_gradient=max((_elements(v) * 4 for v in trainable), default=0),
-            update=model._update_guard.need(size),
-            step_peak=None if peak is None else peak - in_use,
+            update=guard.need(size),
+            step_peak=None if peak is None or in_use is None else peak - in_use,
             micro_batch_size=size,
             device_total=memory.device_total(device),
         )
@@ -287,8 +297,6 @@ def _sizes(size):
     return size if isinstance(size, tuple) else (size,)
 
 
-def _reservation_failed(error) -> bool:
-    return "update_reservation" in (_oom_errors.parse_oom(str(error))["op"] or "")
 
 
 def _elements(variable) -> int:

@@ -37,9 +37,10 @@ class OOMBackoff(keras.callbacks.Callback):
     changes (on the device), and, until the step has learned how much memory
     its update needs (the first step, and the first at each new micro-batch
     size), a copy of the weights and optimizer variables in host memory.
-    After that, each update first reserves what it needs, so that it either
-    runs whole or not at all. With a custom `train_step` the whole state is
-    kept on the device during each step, which costs its size again at the
+    After that, each update first checks that what it needs is free (where
+    the device's total is not known, it reserves it), so that it either runs
+    whole or not at all. With a custom `train_step` the whole state is kept
+    on the device during each step, which costs its size again at the
     update.
 
     The rule is a `BackoffPolicy` (`keras_memopt._backoff`) that the callback
