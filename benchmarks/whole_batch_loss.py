@@ -49,7 +49,7 @@ does not count), so both are reported, and no absolute time.
 Sanity check, in the time process: the loss logged after the first step with
 the option equals plain Keras's at the whole batch (same weights, same batch).
 
-Run: python benchmarks/whole_batch_loss.py          (both models: ~7 minutes on 2 cores)
+Run: python benchmarks/whole_batch_loss.py          (both models: ~8 minutes on 2 cores)
      python benchmarks/whole_batch_loss.py --quick  (fewer steps, rounds and peak
                                                      processes: ~3 minutes)
 """
