@@ -2,9 +2,9 @@
 
 `accumulate(fn, data, size)` runs `fn` on each micro-batch of `data` and adds
 up what it returns: dense tensors are summed (in float32 where they are
-narrower), `tf.IndexedSlices` (an Embedding's gradient) are concatenated and
-then summed per row (`sum_rows`), so the result is the whole batch's gradient
-with each row once, and `None` stays `None`.
+narrower), `tf.IndexedSlices` (an Embedding's gradient) are summed per row as
+they come (`sum_rows`), so the result is the whole batch's gradient with each
+row once, as sparse as the rows the batch touched, and `None` stays `None`.
 
 Why per row: Keras 3's optimizers apply an `IndexedSlices` gradient slice by
 slice, so a row that appears k times has each part squared on its own by
@@ -129,24 +129,27 @@ def sum_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
 class _RunningSum:
     """The running sum of one output of `fn`, as loop variables.
 
-    Dense sums start from the first micro-batch's value (no zeros to fill);
-    `tf.IndexedSlices` collect every micro-batch's rows in `tf.TensorArray`s.
+    Dense sums start from the first micro-batch's value (no zeros to fill).
+    `tf.IndexedSlices` are summed per row as they come (`sum_rows` of the
+    rows so far and the micro-batch's), so the sum holds each row once: at
+    most the variable's size, where every micro-batch's rows kept to the end
+    grow with the batch (measured: Embedding(1000, 128), 128 samples of 64
+    tokens in micro-batches of 8: 4 MiB of rows for a 0.5 MiB table, +2 W on
+    a 2 MiB transformer's step). Each row's slices are added in the same
+    order either way.
     """
 
-    def __init__(self, spec, count):
+    def __init__(self, spec):
         self.spec = spec
         self.sparse = isinstance(spec, tf.IndexedSlicesSpec)
         if self.sparse:
             # `tf.IndexedSlicesSpec` has no public accessors for its parts.
             self.dense_shape = tf.constant(spec._shape.as_list(), spec._dense_shape_dtype)
+            row = spec._shape[1:]
             self.state = [
-                tf.TensorArray(dtype, size=count, infer_shape=False, element_shape=shape)
-                for dtype, shape in (
-                    (spec._values_dtype, [None, *spec._shape[1:]]),
-                    (spec._indices_dtype, [None]),
-                )
+                tf.zeros([0, *row], spec._values_dtype), tf.zeros([0], spec._indices_dtype)
             ]
-            self.invariants = [None, None]
+            self.invariants = [tf.TensorShape([None]).concatenate(row), tf.TensorShape([None])]
         else:
             self.dtype = tf.float32 if spec.dtype in _NARROW_FLOATS else spec.dtype
             self.state = [tf.zeros([0], self.dtype)]  # replaced by the first value
@@ -156,16 +159,19 @@ class _RunningSum:
         # Named, so that an out-of-memory error here says it is the sum's.
         with tf.name_scope("gradient_sum"):
             if self.sparse:
-                return [state[0].write(index, value.values), state[1].write(index, value.indices)]
+                rows = sum_rows(tf.IndexedSlices(
+                    tf.concat([state[0], value.values], 0),
+                    tf.concat([state[1], tf.cast(value.indices, state[1].dtype)], 0),
+                    self.dense_shape,
+                ))
+                return [rows.values, rows.indices]
             value = tf.cast(value, self.dtype)
             total = state[0]
             return [tf.cond(index > 0, lambda: total + value, lambda: value)]
 
     def result(self, state):
         if self.sparse:
-            return sum_rows(
-                tf.IndexedSlices(state[0].concat(), state[1].concat(), self.dense_shape)
-            )
+            return tf.IndexedSlices(state[0], state[1], self.dense_shape)
         return tf.ensure_shape(tf.cast(state[0], self.spec.dtype), self.spec.shape)
 
 
@@ -194,7 +200,7 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
     count = (batch_size + size - 1) // size
     flat_specs = tf.nest.flatten(specs)
     present = [i for i, spec in enumerate(flat_specs) if spec is not None]
-    sums = {i: _RunningSum(flat_specs[i], count) for i in present}
+    sums = {i: _RunningSum(flat_specs[i]) for i in present}
 
     def body(index, states):
         outputs = tf.nest.flatten(function(micro_slice(data, index * size, size), *args))

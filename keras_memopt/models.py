@@ -106,10 +106,11 @@ class AccumulatingModel(
             `name`, ...).
 
     Attributes:
-        oom_policy: the out-of-memory policy the step runner follows (an
-            `keras_memopt.callbacks.OOMBackoff` attaches itself for the length
-            of `fit`, `evaluate` or `predict`), or None: an out-of-memory
-            error then stops training as it would in plain Keras.
+        oom_policy: the out-of-memory policy the step runner follows, or
+            None: an out-of-memory error then stops training as it would in
+            plain Keras. A `keras_memopt.callbacks.OOMBackoff` sets its own
+            policy here for the length of `fit`, `evaluate` or `predict` and
+            puts back the one before when it detaches.
 
     Example:
 
