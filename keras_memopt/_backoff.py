@@ -55,12 +55,19 @@ class BackoffPolicy:
         self.min_micro_batch_size = positive_int("min_micro_batch_size", min_micro_batch_size)
         self.verbose = verbose
         self.backoffs: list[dict] = []
+        self.trained_micro_batch_size = None
         self._last_failure = None
 
     def reset(self):
         """Forgets the backoffs so far (a new `fit`)."""
         self.backoffs = []
+        self.trained_micro_batch_size = None
         self._last_failure = None
+
+    def trained(self, micro_batch_size):
+        """Called by the step runner after a training step ran: the size it ran with
+        (the largest replica's, where each has its own)."""
+        self.trained_micro_batch_size = max(_sizes(micro_batch_size))
 
     def back_off(self, model, failure: OutOfMemory):
         """Sets the micro-batch size to retry with after `failure`, or raises the report.

@@ -119,10 +119,8 @@ class StepRunner:
         size = self._in_use(data)
         if search is not None:
             search.chose(size)
-        if self.kind == "train" and isinstance(outputs, dict):
-            # Into the step's logs, so that every callback sees it, whatever
-            # its place in the list (the largest replica's, for several).
-            outputs = {**outputs, "micro_batch_size": max(_sizes(size))}
+        if self.kind == "train":
+            policy.trained(size)
         return outputs
 
     def _prepare(self, data):

@@ -117,6 +117,27 @@ class TestArguments:
             model.fit(x, y, epochs=1, verbose=0, callbacks=[OOMBackoff()])
 
 
+def test_the_progress_bar_shows_the_micro_batch_only_at_the_epochs_end(capsys):
+    x, y = _data()
+    model = _model(micro_batch_size=32, limit=16)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=2, callbacks=[OOMBackoff(verbose=0)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]  # verbose=2: one line an epoch
+    assert "micro_batch_size: 16" in line
+    steps = _StepLogs()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[OOMBackoff(verbose=0), steps])
+    assert steps.logs and all("micro_batch_size" not in logs for logs in steps.logs)
+
+
+class _StepLogs(keras.callbacks.Callback):
+    """Keeps every training step's logs (`logs`)."""
+
+    def on_train_begin(self, logs=None):
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs or {}))
+
+
 class TestBackoff:
     def test_oom_keeps_the_training_result(self, capsys):
         x, y = _data()
@@ -131,7 +152,7 @@ class TestBackoff:
             np.testing.assert_allclose(history[key], values, rtol=1e-6, err_msg=key)
         assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 6
         assert model.micro_batch_size == 8
-        assert history["micro_batch_size"] == [8, 8]
+        assert history["micro_batch_size"] == [8, 8]  # once an epoch, from the callback
         steps = [(b["failed_micro_batch_size"], b["micro_batch_size"]) for b in backoff.backoffs]
         assert steps == [(32, 16), (16, 8)]
         assert {b["phase"] for b in backoff.backoffs} == {"micro_batch"}

@@ -105,7 +105,7 @@ CHILD = textwrap.dedent(
                     schedule = json.load(handle)
             except OSError:
                 schedule = dict()
-            schedule[str(self.epoch)] = int(logs["micro_batch_size"])
+            schedule[str(self.epoch)] = int(self.model.micro_batch_size_for(BATCH))
             with open(schedule_path, "w") as handle:
                 json.dump(schedule, handle)
 

@@ -51,9 +51,12 @@ class OOMBackoff(keras.callbacks.Callback):
     The micro-batch size is run-time state of the step, so a retry traces
     nothing: it costs the failed attempt (with TensorFlow's own wait before it
     reports the error) and the rollback. Each backoff prints one line when
-    `verbose` is on and is recorded in `backoffs`; the micro-batch in use is
-    added to the training `logs` as `"micro_batch_size"`, so `History`,
-    `CSVLogger` and `TensorBoard` record it.
+    `verbose` is on and is recorded in `backoffs`. At the end of each epoch
+    the micro-batch the epoch's last step trained with is added to `logs` as
+    `"micro_batch_size"` (as `ReduceLROnPlateau` adds `"learning_rate"`), so
+    `History`, and `CSVLogger` and `TensorBoard` placed after this callback,
+    record it; the progress bar shows it at the epoch's end, in Keras's
+    format for every figure.
 
     Args:
         factor: float in (0, 1), what the micro-batch is multiplied by at each
@@ -180,6 +183,10 @@ class OOMBackoff(keras.callbacks.Callback):
         self.policy.reset()
         self._depth = 0
         self._attach()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self.policy.trained_micro_batch_size is not None:
+            logs["micro_batch_size"] = self.policy.trained_micro_batch_size
 
     def on_train_end(self, logs=None):
         self._detach()
