@@ -291,10 +291,6 @@ class StepRunner:
         )
 
 
-def _sizes(size):
-    return size if isinstance(size, tuple) else (size,)
-
-
 
 
 def _elements(variable) -> int:
