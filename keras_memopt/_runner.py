@@ -61,7 +61,7 @@ class StepRunner:
         self._one_worker = None
         self._several_workers = None
         self._prepared = False
-        self._size_file = supervise.Reporter()
+        self._size_file = supervise.SizeFile()
         # What a failed attempt must put back: the loop's state for the
         # model's own step (its update is guarded), everything for a custom one.
         state = _rollback.loop_variables if self._own else _rollback.state_variables
@@ -112,7 +112,7 @@ class StepRunner:
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
             model._update_guard.disarm()
-            self._size_file.report(self._in_use(data))
+            self._size_file.write(self._in_use(data))
             coordinator = self._coordinator(retrying=False)
             return coordinator.finish(coordinator.run(data, spec))
         outputs = self._with_retries(data, spec, policy)
@@ -163,7 +163,7 @@ class StepRunner:
         coordinator = self._coordinator(retrying=True)
         while True:
             size = self._in_use(data)
-            self._size_file.report(size)
+            self._size_file.write(size)
             outputs, failure = self._attempt(coordinator, data, spec, size)
             if failure is None:
                 return outputs

@@ -66,7 +66,7 @@ __all__ = [
     "CAP_VARIABLE",
     "ONEDNN_VARIABLE",
     "STATE_VARIABLE",
-    "Reporter",
+    "SizeFile",
     "max_micro_batch_size",
     "supervise",
 ]
@@ -94,14 +94,14 @@ def max_micro_batch_size() -> int | None:
         ) from error
 
 
-class Reporter:
+class SizeFile:
     """Writes the micro-batch size in use for a supervisor, when there is one."""
 
     def __init__(self):
         self.path = os.environ.get(STATE_VARIABLE) or None
         self._last = None
 
-    def report(self, micro_batch_size):
+    def write(self, micro_batch_size):
         if isinstance(micro_batch_size, tuple):  # one per replica
             micro_batch_size = max(micro_batch_size)
         if self.path is None or micro_batch_size is None or micro_batch_size == self._last:

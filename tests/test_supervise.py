@@ -170,7 +170,7 @@ _ONEDNN_CRASH = textwrap.dedent(
         return tf.nn.relu(tf.matmul(x, w) + b)
 
     dense_relu(tf.ones([8, 64]))
-    supervise.Reporter().report(2048)  # as a model does at its first step
+    supervise.SizeFile().write(2048)  # as a model does at its first step
     try:
         dense_relu(tf.ones([2048, 64]))  # a [2048, 256] output: 2 MiB
     except tf.errors.ResourceExhaustedError:
@@ -227,9 +227,9 @@ def test_bad_arguments_are_refused_before_anything_runs(kwargs, match):
 def test_the_state_file_is_written_whole(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     monkeypatch.setenv(supervise.STATE_VARIABLE, str(path))
-    reporter = supervise.Reporter()
-    reporter.report(64)
-    reporter.report(64)
-    reporter.report(32)
+    size_file = supervise.SizeFile()
+    size_file.write(64)
+    size_file.write(64)
+    size_file.write(32)
     assert json.loads(path.read_text()) == {"micro_batch_size": 32}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
