@@ -173,7 +173,7 @@ def _step(model, kind, data, batch_size):
     model.fit(*data, batch_size=batch_size, epochs=1, verbose=0, callbacks=callbacks)
     runner = model.make_train_function()
     if kind == "backoff":
-        model.oom_policy = callbacks[0]  # as while attached to `fit`
+        model.oom_policy = callbacks[0].policy  # as while attached to `fit`
     return runner.run
 
 
