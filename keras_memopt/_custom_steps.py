@@ -30,11 +30,32 @@ _CHECKED_CUSTOM_LOSSES: set[type] = set()
 
 
 class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the step
-    """Ends the probe run of a custom step at its first `accumulate_gradients`."""
+    """Ends the probe run of a custom step where it first splits its batch.
 
-    def __init__(self, values):
+    `values`: the loss values to compare, or None; `error`: the model's own
+    loss check's refusal, raised once the probe's state is put back.
+    """
+
+    def __init__(self, values, error=None):
         super().__init__()
         self.values = values
+        self.error = error
+
+
+def _splits_its_batch(cls) -> bool:
+    """Whether the user's classes of a model with a custom `train_step` call
+    `accumulate_gradients` or `super().train_step`: only such a step is run for
+    the probe, which stops it there, before any update."""
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("keras_memopt", "keras", "tf_keras", "builtins"):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if "accumulate_gradients" in source or ".train_step(" in source:
+            return True
+    return False
 
 
 class CustomSteps:
@@ -59,9 +80,19 @@ class CustomSteps:
         return outputs
 
     def _check_custom_loss(self, data):
-        """Warns once per class when a custom step's per-micro-batch loss couples the samples."""
+        """Checks, once per class, the loss of a custom step's first split of its batch.
+
+        `super().train_step(data)`: the model's own loss check; the first
+        `accumulate_gradients(loss_fn, ...)`: a `loss_fn` that couples the
+        samples is warned about. The step runs eagerly as far as that call on
+        the batch's first two samples; what it changed is put back.
+        """
         cls = type(self)
-        if cls in _CHECKED_CUSTOM_LOSSES or tf.distribute.has_strategy():
+        if (
+            cls in _CHECKED_CUSTOM_LOSSES
+            or tf.distribute.has_strategy()
+            or not _splits_its_batch(cls)
+        ):
             return
         _CHECKED_CUSTOM_LOSSES.add(cls)
         snapshot = _rollback.Snapshot(
@@ -71,14 +102,16 @@ class CustomSteps:
         self._probing = True
         try:
             self.train_step(first_samples(data, 2))
-            return  # no accumulate_gradients call
+            return  # it did not split the batch after all
         except _Probed as probed:
-            values = probed.values
+            values, error = probed.values, probed.error
         except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
             return
         finally:
             self._probing = False
             snapshot.restore(taken)
+        if error is not None:
+            raise error
         if values is None:
             return
         once, again, twice = values
@@ -93,6 +126,14 @@ class CustomSteps:
                 "`forward=lambda micro_batch: outputs` and a `loss_fn(outputs, data)` of "
                 "the whole batch's outputs to `accumulate_gradients`.",
             )
+
+    def _probe_own_step(self, data):
+        """In the probe run, at `super().train_step(data)`: the model's own loss check, then out."""
+        try:
+            self._loss_split.check(data, self._whole_batch_loss)
+        except ValueError as error:
+            raise _Probed(None, error) from None
+        raise _Probed(None)
 
     def _probe_loss(self, loss_fn, data, forward):
         """In the probe run: the loss values `_check_custom_loss` compares, then out."""

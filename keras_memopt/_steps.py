@@ -164,6 +164,8 @@ class MicroBatchSteps:
 
     def train_step(self, data):
         self._accumulating = True
+        if self._probing:  # a custom step's `super().train_step`, checked before the first step
+            self._probe_own_step(data)
         return self._train_update(*self._train_gradients(data))
 
     def _train_gradients(self, data):

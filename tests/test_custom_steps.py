@@ -314,6 +314,35 @@ class TestCoupledLoss:
     def test_a_mean_is_not(self):
         assert not self._fit(lambda outputs: tf.reduce_mean(tf.square(outputs)))
 
+    def test_super_train_step_gets_the_models_own_loss_check(self):
+        class Super(AccumulatingModel):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        def summed(y_true, y_pred):
+            return tf.reduce_sum(tf.square(y_true - y_pred))
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        model = Super(inputs, layers.Dense(2)(inputs), micro_batch_size=5)
+        model.compile(keras.optimizers.SGD(0.1), summed)
+        before = [w.copy() for w in model.get_weights()]
+        rng = np.random.RandomState(0)
+        x, y = rng.normal(size=(20, 6)), rng.normal(size=(20, 2))
+        with pytest.raises(ValueError, match=r"not a mean of per-sample terms|couples its samples"):
+            model.fit(x, y, batch_size=10, verbose=0)
+        for a, b in zip(before, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert int(model.optimizer.iterations) == 0
+
+    def test_a_step_that_splits_nothing_is_not_run_before_its_first_step(self):
+        """Its updates would not be put back: it is left alone (and warned about)."""
+
+        class Whole(PlainDistiller, AccumulatingModel):
+            pass
+
+        _assert_same(_fit_distiller(PlainDistiller), _fit_distiller(Whole, **MICRO))
+
 
 class TestWarning:
     def test_a_custom_step_that_splits_nothing_warns_once(self):

@@ -300,11 +300,13 @@ class TestBackoff:
         _assert_same_weights(model, reference)
         assert int(model.optimizer.iterations) == 3
 
-    def test_micro_batch_size_reaches_csv_logger_listed_first(self, tmp_path):
+    def test_micro_batch_size_reaches_csv_logger_listed_after_it(self, tmp_path):
+        # As `learning_rate` from ReduceLROnPlateau: the epoch's logs, for the
+        # callbacks after it (History is always after the user's callbacks).
         x, y = _data()
         path = tmp_path / "log.csv"
         model = _model(micro_batch_size=32, limit=16)
-        callbacks = [keras.callbacks.CSVLogger(str(path)), OOMBackoff(verbose=0)]
+        callbacks = [OOMBackoff(verbose=0), keras.callbacks.CSVLogger(str(path))]
         _fit(model, x, y, callbacks, epochs=2)
         header, *rows = path.read_text().splitlines()
         column = header.split(",").index("micro_batch_size")
