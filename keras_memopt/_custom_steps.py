@@ -45,7 +45,7 @@ class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of t
 def _splits_its_batch(cls) -> bool:
     """Whether the user's classes of a model with a custom `train_step` call
     `accumulate_gradients` or `super().train_step`: only such a step is run for
-    the probe, which stops it there, before any update."""
+    the probe, which stops it there (what it changed before is put back)."""
     for klass in cls.__mro__:
         if klass.__module__.split(".")[0] in ("keras_memopt", "keras", "tf_keras", "builtins"):
             continue
@@ -95,13 +95,15 @@ class CustomSteps:
         ):
             return
         _CHECKED_CUSTOM_LOSSES.add(cls)
-        snapshot = _rollback.Snapshot(
-            lambda: _rollback.loop_variables(self), self.distribute_strategy
-        )
-        taken = snapshot.take()
+        # Everything the step may change before it splits its batch (a plain
+        # tape's update, a second optimizer's, the variables a tf_keras
+        # optimizer makes at its first update), put back from host memory.
+        state = _rollback.HostCopy(_rollback.state_variables(self), self.distribute_strategy)
+        made = _rollback.MadeVariables()
         self._probing = True
         try:
-            self.train_step(first_samples(data, 2))
+            with made.recording():
+                self.train_step(first_samples(data, 2))
             return  # it did not split the batch after all
         except _Probed as probed:
             values, error = probed.values, probed.error
@@ -109,7 +111,8 @@ class CustomSteps:
             return
         finally:
             self._probing = False
-            snapshot.restore(taken)
+            state.restore()
+            made.restore()
         if error is not None:
             raise error
         if values is None:

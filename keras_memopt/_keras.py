@@ -320,6 +320,16 @@ def functional_config(model, config):
 # -- the step runner (keras_memopt._runner) -------------------------------------
 
 
+def optimizers_of(model) -> list:
+    """The model's optimizer and any other it holds as an attribute (a GAN's two), each once."""
+    kinds = (keras.optimizers.Optimizer,)
+    if LEGACY:
+        kinds += (keras.optimizers.legacy.Optimizer,)
+    found = [getattr(model, "optimizer", None), *vars(model).values()]
+    unique = {id(o): o for o in found if isinstance(o, kinds)}
+    return list(unique.values())
+
+
 def optimizer_variables(optimizer):
     """All variables of an optimizer (iterations, slots, loss scale, ...)."""
     variables = optimizer.variables

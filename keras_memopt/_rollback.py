@@ -18,6 +18,8 @@ memory (`HostCopy`).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -57,11 +59,10 @@ def step_counters(model) -> list:
 
 
 def update_variables(model) -> list:
-    """What an optimizer update changes: the trainable weights and the optimizer's variables."""
-    optimizer = getattr(model, "optimizer", None)
+    """What an optimizer update changes: the trainable weights and the variables
+    of the model's optimizers (`model.optimizer`, and others a custom step uses)."""
     groups = [model.trainable_variables]
-    if optimizer is not None:
-        groups.append(_keras.optimizer_variables(optimizer))
+    groups += [_keras.optimizer_variables(o) for o in _keras.optimizers_of(model)]
     return _unique(groups)
 
 
@@ -141,4 +142,30 @@ class HostCopy:
 
     def restore(self):
         for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+
+
+class MadeVariables:
+    """The variables made inside `recording()`, put back to their values when made.
+
+    For a step run once eagerly and undone: it may make variables (a tf_keras
+    optimizer builds its slots at its first update) and then change them.
+    """
+
+    def __init__(self):
+        self._made = []
+
+    @contextlib.contextmanager
+    def recording(self):
+        def creator(next_creator, **kwargs):
+            variable = next_creator(**kwargs)
+            if tf.executing_eagerly():
+                self._made.append((variable, np.array(variable, copy=True)))
+            return variable
+
+        with tf.variable_creator_scope(creator):
+            yield self
+
+    def restore(self):
+        for variable, value in self._made:
             variable.assign(value)

@@ -12,10 +12,12 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
+from _faults import OutOfMemoryAbove
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
 
 layers = keras.layers
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -105,7 +107,7 @@ class AccumulatingGAN(PlainGAN, AccumulatingModel):
         return self.accumulate_gradients(loss_fn, data, variables, optimizer=optimizer)
 
 
-def _fit_gan(cls, strategy=None, **kwargs):
+def _fit_gan(cls, strategy=None, callbacks=None, **kwargs):
     real, latent_d, latent_g, noise = _gan_data()
     with strategy.scope() if strategy else _nothing():
         keras.utils.set_random_seed(0)
@@ -114,7 +116,7 @@ def _fit_gan(cls, strategy=None, **kwargs):
         dataset = tf.data.Dataset.from_tensor_slices(
             dict(real=real, latent_d=latent_d, latent_g=latent_g, noise=noise)
         )
-        history = model.fit(dataset.batch(16), epochs=2, verbose=0)
+        history = model.fit(dataset.batch(16), epochs=2, verbose=0, callbacks=callbacks)
     return model, history.history
 
 
@@ -222,6 +224,49 @@ class TestAccumulateGradients:
         _assert_same(plain, _fit_gan(AccumulatingGAN, mirrored_strategy, **MICRO))
         plain = _fit_distiller(PlainDistiller, mirrored_strategy)
         _assert_same(plain, _fit_distiller(AccumulatingDistiller, mirrored_strategy, **MICRO))
+
+    def test_a_failed_step_puts_back_every_optimizer_it_updated(self):
+        """Out of memory in the generator's pass, after the discriminator's update:
+        the retried step starts from the discriminator and its optimizer as they were."""
+
+        class FailingGenerator(AccumulatingGAN):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.fault = OutOfMemoryAbove(limit=3)
+
+            def generator_loss(self, data):
+                return super().generator_loss(dict(data, latent_g=self.fault(data["latent_g"])))
+
+        backoff = OOMBackoff(verbose=0)
+        model, logs = _fit_gan(FailingGenerator, callbacks=[backoff], **MICRO)
+        assert model.fault.raised == 1 and model.micro_batch_size <= 3
+        _assert_same(_fit_gan(PlainGAN), (model, logs))
+        plain = _fit_gan(PlainGAN)[0]
+        for optimizer in ("d_optimizer", "g_optimizer"):
+            assert int(getattr(model, optimizer).iterations) == int(
+                getattr(plain, optimizer).iterations
+            )
+
+    def test_an_update_before_the_first_split_is_not_made_twice(self):
+        """The loss check runs the step up to its first split of the batch, and
+        puts back the update the step made before it (a plain-tape one here)."""
+
+        def plain_update_first(cls):
+            class Twice(cls):
+                def train_step(self, data):
+                    variables = self.student.trainable_variables
+                    with tf.GradientTape() as tape:
+                        loss = self.distillation_loss(data)
+                    grads = tape.gradient(loss, variables)
+                    self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+                    return super().train_step(data)
+
+            return Twice
+
+        plain = _fit_distiller(plain_update_first(PlainDistiller))
+        accumulating = _fit_distiller(plain_update_first(AccumulatingDistiller), **MICRO)
+        _assert_same(plain, accumulating)
+        assert int(accumulating[0].optimizer.iterations) == int(plain[0].optimizer.iterations)
 
     def test_one_micro_batch_at_a_time(self):
         """The loss function sees micro-batches of the set size, not the batch."""
