@@ -16,6 +16,7 @@ from keras_memopt import (
 )
 from keras_memopt import remat as _remat
 from keras_memopt._custom_steps import CustomSteps
+from keras_memopt._run_settings import KeepsRunSettings
 from keras_memopt._serialization import SerializationMixin, functional_class
 from keras_memopt._setting import MicroBatchSetting
 from keras_memopt._steps import MicroBatchSteps
@@ -26,6 +27,7 @@ keras = _keras.keras
 
 
 class AccumulatingModel(
+    KeepsRunSettings,
     MicroBatchSteps,
     CustomSteps,
     _remat.RematMixin,
@@ -109,8 +111,8 @@ class AccumulatingModel(
         oom_policy: the out-of-memory policy the step runner follows, or
             None: an out-of-memory error then stops training as it would in
             plain Keras. A `keras_memopt.callbacks.OOMBackoff` sets its own
-            policy here for the length of `fit`, `evaluate` or `predict` and
-            puts back the one before when it detaches.
+            policy here for the length of `fit`, `evaluate` or `predict`; the
+            one before is back when the call ends, also when it raises.
 
     Example:
 
@@ -367,9 +369,8 @@ class AccumulatingModel(
         return self._make_runner("predict", force)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3 builds here, before the first step, from a batch it takes
-        # out of the user's data. The step runner builds from the first
-        # step's own batch instead (`_prepare_step`).
+        # Keras 3 builds here from a batch it takes out of the user's data; the
+        # step runner builds from the first step's own batch (`_prepare_step`).
         return
 
     def summary(self, *args, **kwargs):
@@ -390,7 +391,6 @@ class AccumulatingModel(
             f" Recomputation: {remat}\n"
             f" Loss: {loss} (whole_batch_loss={self.whole_batch_loss})"
         )
-
 
 
 # An `AccumulatingModel` instance is functional (the subclassed form is the

@@ -334,6 +334,22 @@ class TestBackoff:
         assert [b["micro_batch_size"] for b in backoff.backoffs] == [8]  # its factor
         assert model.oom_policy is before and before.backoffs == []
 
+    def test_a_fit_that_raises_leaves_no_policy_behind(self):
+        """Keras calls no `on_train_end` when `fit` raises: the model puts its settings back."""
+        x, y = _data(n=32)
+        model = _model(micro_batch_size=32, limit=8)
+        backoff = OOMBackoff(min_micro_batch_size=16, verbose=0)
+        with pytest.raises(tf.errors.ResourceExhaustedError, match="smallest micro-batch"):
+            _fit(model, x, y, [backoff])
+        assert model.oom_policy is None and len(backoff.backoffs) == 1
+        with pytest.raises(tf.errors.OpError, match="OOM when allocating"):
+            _fit(model, x, y)  # without the callback: no backoff
+        assert model.micro_batch_size == 16 and len(backoff.backoffs) == 1
+        model.get_layer("device").limit = 16
+        model.micro_batch_size = 32
+        _fit(model, x, y, [backoff])  # the same callback again: attached, then detached
+        assert model.micro_batch_size == 16 and model.oom_policy is None
+
     def test_accumulation_steps_give_way_to_the_smaller_micro_batch(self):
         x, y = _data(n=32)
         model = _model(limit=8)

@@ -137,6 +137,10 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
                 f"Received: a model of type {type(model).__name__}"
             )
+        if model.oom_policy is not self.policy:
+            # Not attached, or a call that raised (Keras then calls no
+            # `on_*_end`): the model has put its settings back.
+            self._depth, self._xla_turned_off = 0, False
         if self._depth == 0:
             if model.micro_batch_jit_compile:
                 self._leave_xla(model)
