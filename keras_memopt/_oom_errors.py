@@ -156,6 +156,7 @@ class Phase(enum.Enum):
     MICRO_BATCH = "a micro-batch's forward and backward pass"
     GRADIENT_SUM = "the sum of the micro-batches' gradients"
     UPDATE = "the optimizer update"
+    WHOLE_BATCH_LOSS = "the loss over the whole batch's outputs (whole_batch_loss=True)"
     EVALUATION = "a micro-batch's evaluation or prediction"
 
     @property
@@ -251,6 +252,13 @@ _STATE_ADVICE = [
     "halves them;",
     "a smaller model (fewer or narrower layers), or more device memory.",
 ]
+_WHOLE_BATCH_LOSS_ADVICE = [
+    "a smaller batch: the loss's own tensors grow with the batch (a contrastive "
+    "loss's similarities with its square), not with the micro-batch;",
+    "a loss that couples fewer samples at once (negatives from a part of the batch);",
+    "more device memory.",
+]
+_ADVICE = {Phase.WHOLE_BATCH_LOSS: _WHOLE_BATCH_LOSS_ADVICE}
 
 
 def report(error: BaseException, phase: Phase, memory: StepMemory | None = None,
@@ -284,7 +292,9 @@ def report(error: BaseException, phase: Phase, memory: StepMemory | None = None,
         )
     if note:
         headline += f" {note}"
-    advice = _MICRO_BATCH_ADVICE if phase.micro_batch_helps else _STATE_ADVICE
+    advice = _ADVICE.get(phase) or (
+        _MICRO_BATCH_ADVICE if phase.micro_batch_helps else _STATE_ADVICE
+    )
     info = parse_oom(str(error))
     lines = [headline, f"  Failed to allocate: {describe_allocation(info)}."]
     lines.append(f"  Device memory: {_device_line(info['device'])}.")

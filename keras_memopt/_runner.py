@@ -263,6 +263,8 @@ class StepRunner:
         op = (_oom_errors.parse_oom(str(error))["op"] or "") if error is not None else ""
         if "gradient_sum" in op:
             return _oom_errors.Phase.GRADIENT_SUM
+        if "whole_batch_loss" in op:
+            return _oom_errors.Phase.WHOLE_BATCH_LOSS
         return _oom_errors.Phase.MICRO_BATCH
 
     def _update_refused(self, error) -> bool:

@@ -100,15 +100,18 @@ class WholeBatch:
         (None where nothing, the usual case), loss-scaled as step 3's are.
         """
         floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
-        with tf.GradientTape(persistent=True) as tape:
-            tape.watch(floats)
-            loss = loss_fn(outputs)
-            scaled = _keras.scale_loss(optimizer, loss)
-        output_gradients = [
-            tf.zeros_like(t) if g is None else g
-            for t, g in zip(floats, tape.gradient(loss, floats), strict=True)
-        ]
-        direct = tape.gradient(scaled, list(variables))
+        # Named, so that an out-of-memory error here is told from a
+        # micro-batch's: no smaller micro-batch changes what the loss holds.
+        with tf.name_scope("whole_batch_loss"):
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(floats)
+                loss = loss_fn(outputs)
+                scaled = _keras.scale_loss(optimizer, loss)
+            output_gradients = [
+                tf.zeros_like(t) if g is None else g
+                for t, g in zip(floats, tape.gradient(loss, floats), strict=True)
+            ]
+            direct = tape.gradient(scaled, list(variables))
         del tape
         return loss, output_gradients, direct
 

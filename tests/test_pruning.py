@@ -111,6 +111,21 @@ class TestPruning:
         for expected, actual in zip(plain.get_weights(), model.get_weights(), strict=True):
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
+    def test_whole_batch_loss_is_refused_before_any_update(self):
+        # Its second forward pass would advance the pruning steps twice.
+        x, y = _data()
+        model = pruning.prune_low_magnitude(
+            _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
+        )
+        model.whole_batch_loss = True
+        _compile(model)
+        before = [w.numpy() for w in model.trainable_weights]
+        with pytest.raises(NotImplementedError, match="advance tfmot's pruning steps twice"):
+            self._fit(model, x, y, epochs=1)
+        for a, b in zip(before, model.trainable_weights, strict=True):
+            np.testing.assert_array_equal(a, b.numpy())
+        assert int(model.optimizer.iterations) == 0
+
     def test_target_sparsity_reached_and_stripped_model_predicts(self, tmp_path):
         x, y = _data()
         model = pruning.prune_low_magnitude(

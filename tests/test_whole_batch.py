@@ -6,11 +6,13 @@ weights after two epochs of Adam, every logged figure and `evaluate`, with
 uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8).
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove
-from conftest import LEGACY
+from conftest import LEGACY, run_python
 from test_exactness import CASES, _train, assert_same_training
 
 from keras_memopt import AccumulatingModel
@@ -183,21 +185,71 @@ def test_with_remat():
 
 
 def test_oom_backoff_retries_to_the_same_result():
-    def build(micro_batch_size, limit=None):
-        model = two_towers(AccumulatingModel, micro_batch_size=micro_batch_size,
-                           whole_batch_loss=True)
+    def build(cls, limit=None, **kwargs):
+        model = two_towers(cls, **kwargs)
         keras.utils.set_random_seed(0)
         image, text = model.inputs
         faulty = OutOfMemoryAbove(limit)(image)
-        return AccumulatingModel.from_model(
-            keras.Model([image, text], model([faulty, text])),
-            micro_batch_size=micro_batch_size, whole_batch_loss=True,
-        )
+        wrapped = keras.Model([image, text], model([faulty, text]))
+        if cls is keras.Model:
+            return wrapped
+        return AccumulatingModel.from_model(wrapped, **kwargs)
 
     backoff = OOMBackoff(verbose=0)
-    received = _fit(build(48, limit=24), callbacks=[backoff])
+    received = _fit(
+        build(AccumulatingModel, limit=24, micro_batch_size=48, whole_batch_loss=True),
+        callbacks=[backoff],
+    )
     assert [e["micro_batch_size"] for e in backoff.backoffs] == [24]
-    _assert_same(_fit(build(24)), received)
+    _assert_same(_fit(build(keras.Model)), received)
+
+
+# A loss of [4096, 4096] similarities (64 MiB) under a 40 MiB limit: no
+# micro-batch size changes it, so nothing is retried.
+LOSS_DOES_NOT_FIT = """
+import json
+import numpy as np, tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
+
+def coupled(y_true, y_pred):
+    logits = tf.matmul(y_pred, y_pred, transpose_b=True)
+    labels = tf.range(tf.shape(logits)[0])
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+inputs = keras.Input((4,))
+model = AccumulatingModel(inputs, keras.layers.Dense(4)(inputs), micro_batch_size=1024,
+                          whole_batch_loss=True)
+model.compile(keras.optimizers.Adam(0.01), coupled)
+rng = np.random.RandomState(0)
+x, y = rng.normal(size=(4096, 4)).astype("float32"), np.zeros((4096, 1), "float32")
+before = [w.copy() for w in model.get_weights()]
+backoff = OOMBackoff(verbose=0)
+try:
+    model.fit(x, y, batch_size=4096, verbose=0, callbacks=[backoff])
+    out = dict(message=None)
+except tf.errors.ResourceExhaustedError as error:
+    out = dict(message=error.message)
+out["backoffs"] = len(backoff.backoffs)
+out["unchanged"] = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+out["iterations"] = int(model.optimizer.iterations.numpy())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_loss_that_does_not_fit_is_reported_at_once():
+    result = run_python(LOSS_DOES_NOT_FIT, memory_limit_mb=40,
+                        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    message = out["message"]
+    assert message is not None and message.startswith(
+        "Out of memory in the loss over the whole batch's outputs (whole_batch_loss=True) "
+        "(micro_batch_size=1024): a smaller micro-batch needs no less memory there"
+    ), message
+    assert "a tensor of shape [4096, 4096]" in message and "a smaller batch" in message
+    assert out["backoffs"] == 0 and out["unchanged"] and out["iterations"] == 0, out
 
 
 def test_custom_step_with_a_forward_function():
@@ -235,6 +287,16 @@ class TestSetting:
         model = two_towers(AccumulatingModel, **WHOLE)
         assert model.get_config()["whole_batch_loss"] is True
         assert AccumulatingModel.from_config(model.get_config()).whole_batch_loss is True
+
+    def test_uneven_replica_shares_are_refused(self, mirrored_strategy):
+        with mirrored_strategy.scope():
+            with pytest.raises(ValueError, match=r"Use one of the two. Received: "
+                               r"whole_batch_loss=True, replica_shares=\[3.0, 1.0\]"):
+                two_towers(AccumulatingModel, replica_shares=[3, 1], **WHOLE)
+            model = two_towers(AccumulatingModel, replica_shares=[3, 1], micro_batch_size=20)
+            with pytest.raises(ValueError, match="Use one of the two"):
+                model.whole_batch_loss = True
+        assert model.whole_batch_loss is False
 
     @pytest.mark.parametrize("value", [1, "yes", None])
     def test_not_a_bool_is_refused(self, value):
