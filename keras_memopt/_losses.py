@@ -103,9 +103,11 @@ class LossSplit:
         """What Keras divides each output's loss by, over the whole batch (0: samples).
 
         Run micro-batch by micro-batch before the loop, with a forward pass
-        in inference mode when an output carries a mask; from the targets
-        alone when only an ignored class counts.
+        in inference mode when an output carries a mask; from the whole
+        batch's targets at once when only an ignored class counts.
         """
+        if forward is None:
+            return _counts(self.divisor_masks(data[1], None))
 
         def count(micro):
             x, y, _ = micro

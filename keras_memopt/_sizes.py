@@ -37,18 +37,21 @@ def parse_bytes(value, name="size"):
     """
     if isinstance(value, bool):
         value = str(value)
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    if match is None or (match.group(2) or "b").lower() not in _UNITS:
+    if isinstance(value, (int, float)):
+        size = value
+    else:
+        match = _SIZE.match(value) if isinstance(value, str) else None
+        if match is None or (match.group(2) or "b").lower() not in _UNITS:
+            raise ValueError(
+                f"`{name}` must be a positive number of bytes or a string such as "
+                f"'512MiB' or '8GB' (units: {', '.join(_unit_names())}). "
+                f"Received: {name}={value!r}"
+            )
+        size = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
+    if not 1 <= size < float("inf"):
         raise ValueError(
-            f"`{name}` must be a positive number of bytes or a string such as "
-            f"'512MiB' or '8GB' (units: {', '.join(_unit_names())}). "
-            f"Received: {name}={value!r}"
+            f"`{name}` must be at least one byte. Received: {name}={value!r}"
         )
-    size = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
-    if size <= 0:
-        raise ValueError(f"`{name}` must be positive. Received: {name}={value!r}")
     return int(size)
 
 

@@ -19,7 +19,9 @@ class TestParseBytes:
     def test_units(self, text, expected):
         assert parse_bytes(text) == expected
 
-    @pytest.mark.parametrize("bad", ["8XB", "lots", "", "-1GB", 0, -5, None, True])
+    @pytest.mark.parametrize(
+        "bad", ["8XB", "lots", "", "-1GB", 0, -5, None, True, 0.5, "0.5", float("nan"), 1e400]
+    )
     def test_unknown_unit_or_bad_value_is_refused(self, bad):
         with pytest.raises(ValueError, match="Received: budget="):
             parse_bytes(bad, "budget")
