@@ -38,8 +38,10 @@ class OOMBackoff(keras.callbacks.Callback):
     its update needs (the first step, and the first at each new micro-batch
     size), a copy of the weights and optimizer variables in host memory.
     After that, each update first checks that what it needs is free (where
-    the device's total is not known, it reserves it), so that it either runs
-    whole or not at all. With a custom `train_step` the whole state is kept
+    the device's total is not known, it reserves it) and does not start where
+    it is not. Free bytes are not one free block: an update the allocator's
+    fragmentation fails part-way is reported as such (restore from a
+    checkpoint). With a custom `train_step` the whole state is kept
     on the device during each step, which costs its size again at the
     update.
 
