@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import LEGACY
+from conftest import LEGACY, run_python
 
 from keras_memopt import AccumulatingModel, pruning
 from keras_memopt._keras import keras
@@ -57,6 +57,25 @@ class TestKeras3:
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
         with pytest.raises(RuntimeError, match=r"TF_USE_LEGACY_KERAS='1' set after keras_memopt"):
             pruning.prune_low_magnitude(_mlp(AccumulatingModel, micro_batch_size=8))
+
+    @pytest.mark.skipif(
+        LEGACY or importlib.util.find_spec("tensorflow_model_optimization") is None,
+        reason="the error is for Keras 3; needs tfmot",
+    )
+    def test_importing_tfmot_after_keras_memopt_is_named(self):
+        # The real import, which sets the variable in `os.environ` itself.
+        result = run_python("""
+            import keras
+            import keras_memopt as kmo
+            import tensorflow_model_optimization
+            inputs = keras.Input((4,))
+            model = kmo.AccumulatingModel(inputs, keras.layers.Dense(2)(inputs), micro_batch_size=2)
+            try:
+                kmo.pruning.prune_low_magnitude(model)
+            except RuntimeError as error:
+                print(error)
+        """, env={"TF_USE_LEGACY_KERAS": "0"})
+        assert "TF_USE_LEGACY_KERAS='1' set after keras_memopt" in result.stdout
 
     def test_tfmot_missing_names_the_extra(self, monkeypatch):
         monkeypatch.setitem(sys.modules, "tensorflow_model_optimization", None)
