@@ -47,6 +47,7 @@ pytestmark = [
 # test spend more time waiting on the allocator than computing.
 BATCHES = {"mlp": 2048, "cnn": 512}
 MINIMUM, STEPS = 32, 3
+STATE_DOES_NOT_FIT = "Out of memory before the first step"
 
 CHILD = textwrap.dedent(
     """
@@ -158,6 +159,7 @@ CHILD = textwrap.dedent(
         except tf.errors.ResourceExhaustedError as error:
             result = dict(outcome="stopped", message=str(error))
         result["steps"] = int(model.optimizer.iterations.numpy())
+        result["model_variables"] = len(model.variables)
         np.savez(out, *state(model))
         print("SWEEP " + json.dumps(result))
     """
@@ -230,8 +232,15 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
         run.update(outcome=result["outcome"], steps=result["steps"],
                    restarts=output.stderr.count("restarting it"))
         run["schedule"] = json.loads(open(run["schedule"]).read()) if result["steps"] else {}
+        run["compared"] = None  # every variable
         if result["outcome"] == "trained":
             assert result["steps"] == STEPS, run
+        elif result["message"].startswith(STATE_DOES_NOT_FIT):
+            # At the lowest limit the allocator may not fit the optimizer's
+            # variables (its free bytes are not one free block): a clean stop
+            # before any step, with the model's variables as they were built.
+            assert result["steps"] == 0 and "whatever the micro-batch size" in result["message"]
+            run["compared"] = result["model_variables"]
         else:
             message = result["message"]
             assert (f"min_micro_batch_size={MINIMUM}" in message
@@ -247,8 +256,9 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
     _run_all(replays)
     for run in runs:
         received, expected = np.load(run["state"]), np.load(run["reference"])
-        assert len(received.files) == len(expected.files), run
-        for index in range(len(expected.files)):
+        compared = run["compared"] or len(expected.files)
+        assert run["compared"] or len(received.files) == len(expected.files), run
+        for index in range(compared):
             np.testing.assert_allclose(
                 received[f"arr_{index}"], expected[f"arr_{index}"], rtol=0, atol=1e-6,
                 err_msg=f"{run['kind']} under {run['limit']} MiB, variable {index}",
