@@ -8,6 +8,7 @@ allocator. The CPU is split into two logical devices for MirroredStrategy.
 Tests that need a memory *limit* run in a subprocess (`run_python`).
 """
 
+import json
 import os
 import textwrap
 
@@ -32,6 +33,11 @@ HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 without_gpu = pytest.mark.skipif(
     HAS_GPU, reason="expects a machine without GPUs (reads the CPU as the device)"
 )
+
+
+def last_json(output):
+    """What a child printed last, as JSON: its result."""
+    return json.loads(output.stdout.strip().splitlines()[-1])
 
 
 def run_python(code, memory_limit_mb=None, timeout=600, env=None):

@@ -21,10 +21,9 @@ kernel and a small head, so that no order holds two large gradients of one
 micro-batch at once.
 """
 
-import json
 
 import pytest
-from conftest import LEGACY, run_python
+from conftest import LEGACY, last_json, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +92,7 @@ print(json.dumps({
 
 def test_a_step_holds_at_most_the_gradient_sum_more_than_plain_keras():
     output = run_python(FLOOR, env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
-    peaks = json.loads(output.stdout.strip().splitlines()[-1])
+    peaks = last_json(output)
     for optimizer, figures in peaks.items():
         lowest = {kind: min(steps) for kind, steps in figures.items()}
         # Not vacuous: every step held its gradients, at least.

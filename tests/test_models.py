@@ -1,12 +1,11 @@
 """AccumulatingModel: exactness against plain Keras, semantics and bad input."""
 
-import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from _oracles import dense_gradients
-from conftest import LEGACY, peak_bytes_of_fit, run_python
+from conftest import LEGACY, last_json, peak_bytes_of_fit, run_python
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
@@ -319,7 +318,7 @@ def test_resident_memory_between_steps_is_plain_keras_s():
     figures = {}
     for kind in ("plain", "accumulating"):
         output = run_python(RESIDENT.replace("sys.argv[1]", repr(kind)))
-        figures[kind] = json.loads(output.stdout.strip().splitlines()[-1])
+        figures[kind] = last_json(output)
     # Weights and Adam's two slots stay between steps in both.
     assert figures["plain"]["resident"] >= 3 * figures["plain"]["weights"]
     assert figures["accumulating"]["resident"] <= figures["plain"]["resident"] + 2**20, figures

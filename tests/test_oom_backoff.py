@@ -7,7 +7,6 @@ marked slow run real out-of-memory errors in a subprocess whose TensorFlow
 CPU allocator has a memory limit.
 """
 
-import json
 import os
 import re
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove, OutOfMemoryAtSample
-from conftest import LEGACY, run_python
+from conftest import LEGACY, last_json, run_python
 
 from keras_memopt import AccumulatingModel, _rollback
 from keras_memopt._keras import keras
@@ -513,7 +512,7 @@ def test_soak_repeated_oom_keeps_memory_flat():
         SOAK.format(tests=os.path.dirname(os.path.abspath(__file__))),
         env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"},
     )
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = last_json(result)
     assert figures["backoffs"] >= 60, figures
     # Allocator memory returns to the same level; host memory may settle in
     # the first rounds (caches) but must not keep growing with each retrace.
@@ -644,7 +643,7 @@ def _real(code):
         memory_limit_mb=REAL_LIMIT_MB,
         env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"},
     )
-    return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout
+    return last_json(result), result.stdout
 
 
 @pytest.mark.slow
@@ -837,7 +836,7 @@ print(json.dumps(out))
 def test_real_oom_in_the_loop_or_the_update_changes_nothing():
     result = run_python(REAL_ROLLBACK, memory_limit_mb=64,
                         env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = last_json(result)
     size = r"[\d.]+ [KMG]?i?B"
     for case, failed in figures.items():
         assert failed["message"] is not None, (case, figures)
@@ -914,7 +913,7 @@ print(json.dumps(out))
 def test_a_state_that_does_not_fit_is_reported_before_the_first_step():
     env = {"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
     adam = run_python(STATE_DOES_NOT_FIT.format(optimizer="adam"), memory_limit_mb=20, env=env)
-    figures = json.loads(adam.stdout.strip().splitlines()[-1])
+    figures = last_json(adam)
     assert figures["backoffs"] == 0  # no micro-batch size can help
     message = figures["message"]
     assert message.startswith("Out of memory before the first step, while making the "

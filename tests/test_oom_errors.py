@@ -1,10 +1,9 @@
 """Recognising out-of-memory errors in all their forms, and reading what failed."""
 
-import json
 
 import pytest
 import tensorflow as tf
-from conftest import run_python
+from conftest import last_json, run_python
 
 from keras_memopt import _oom_errors
 
@@ -44,7 +43,7 @@ class TestDetection:
     def test_a_constant_that_cannot_be_allocated_is_detected(self):
         """The real error: a 4 MiB constant, folded into a step, under a 16 MiB limit."""
         output = run_python(CONSTANT_OOM, memory_limit_mb=16)
-        figures = json.loads(output.stdout.strip().splitlines()[-1])
+        figures = last_json(output)
         assert figures["type"] == "InvalidArgumentError", figures
         assert "Cannot parse tensor from proto" in figures["message"]
         assert figures["is_oom"] is True

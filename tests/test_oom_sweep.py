@@ -29,7 +29,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import LEGACY
+from conftest import LEGACY, last_json
 
 from keras_memopt import _subprocess
 
@@ -208,7 +208,7 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
     )
     peaks = {kind: dict() for kind in BATCHES}
     for (kind, _), output in zip(sizes, outputs, strict=True):
-        peaks[kind].update(json.loads(output.stdout.strip().splitlines()[-1]))
+        peaks[kind].update(last_json(output))
     runs, commands = [], []
     print({kind: {size: round(peak / 2**20, 2) for size, peak in peaks[kind].items()}
            for kind in BATCHES})

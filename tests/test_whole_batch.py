@@ -6,13 +6,12 @@ weights after two epochs of Adam, every logged figure and `evaluate`, with
 uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8).
 """
 
-import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove
-from conftest import LEGACY, run_python
+from conftest import LEGACY, last_json, run_python
 from test_exactness import CASES, _train, assert_same_training
 
 from keras_memopt import AccumulatingModel
@@ -242,7 +241,7 @@ print(json.dumps(out))
 def test_a_loss_that_does_not_fit_is_reported_at_once():
     result = run_python(LOSS_DOES_NOT_FIT, memory_limit_mb=40,
                         env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = last_json(result)
     message = out["message"]
     assert message is not None and message.startswith(
         "Out of memory in the loss over the whole batch's outputs (whole_batch_loss=True) "
