@@ -311,6 +311,20 @@ class TestBackoff:
         column = header.split(",").index("micro_batch_size")
         assert [float(row.split(",")[column]) for row in rows] == [16, 16]
 
+    def test_the_progress_bar_shows_the_size_at_each_epochs_end_only(self, capsys):
+        x, y = _data()
+        model = _model(micro_batch_size=32, limit=16)
+        batch_logs = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs))
+        )
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=1,
+                  callbacks=[OOMBackoff(verbose=0), record])
+        # Keras formats every figure with four decimals, as `learning_rate`
+        # from ReduceLROnPlateau; the per-step bar does not carry the size.
+        assert capsys.readouterr().out.count("micro_batch_size: 16.0000") == 2
+        assert batch_logs and not any("micro_batch_size" in logs for logs in batch_logs)
+
     def test_mirrored_strategy(self, mirrored_strategy):
         x, y = _data(n=64)
         with mirrored_strategy.scope():
