@@ -26,6 +26,8 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 from keras_memopt import _subprocess  # noqa: E402
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+# A child process on the same Keras line as the tests.
+KERAS_LINE = {"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
 
 # Tests that read the CPU's allocator as "the device", or expect a machine
 # without GPUs (no figures for "GPU:0", configure_devices warning), say so.
@@ -41,13 +43,15 @@ def last_json(output):
 
 
 def run_python(code, memory_limit_mb=None, timeout=600, env=None):
-    """Runs `code` in a fresh Python with a memory-limited TF CPU allocator.
+    """Runs `code` in a fresh Python with a memory-limited TF CPU allocator,
+    on the tests' Keras line (`env` may say otherwise).
 
     Returns the child's `Output` (`.stdout`, `.stderr`, `.returncode`);
     fails the test with its output if the child exits non-zero or runs past
     `timeout` seconds (it is killed).
     """
-    child_env = {**_subprocess.tensorflow_env(memory_limit_mb or 16384), **(env or {})}
+    child_env = {**_subprocess.tensorflow_env(memory_limit_mb or 16384), **KERAS_LINE,
+                 **(env or {})}
     try:
         output = _subprocess.run(["-c", textwrap.dedent(code)], env=child_env, timeout=timeout)
     except _subprocess.ChildFailed as error:

@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import LEGACY
+from conftest import KERAS_LINE, LEGACY
 
 from keras_memopt import _subprocess
 
@@ -117,7 +117,7 @@ def _run(tmp_path, mode, *args, limits=(None, None)):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
-    keras_line = {"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
+    keras_line = KERAS_LINE
     children = []
     for index, limit in enumerate(limits):
         folder = tmp_path / "cluster"
@@ -162,7 +162,7 @@ def test_an_out_of_memory_error_on_one_worker_is_retried_by_both(tmp_path):
     reference = tmp_path / "reference"
     reference.mkdir()
     script = tmp_path / "worker.py"
-    env = {**_subprocess.tensorflow_env(), "TF_USE_LEGACY_KERAS": "1" if LEGACY else "0",
+    env = {**_subprocess.tensorflow_env(), **KERAS_LINE,
            "TF_CONFIG": None}
     output = _subprocess.run([str(script), "oom", str(reference), "512"], env=env, timeout=300)
     assert output.returncode == 0, output.tail()

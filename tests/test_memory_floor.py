@@ -23,7 +23,7 @@ micro-batch at once.
 
 
 import pytest
-from conftest import LEGACY, last_json, run_python
+from conftest import last_json, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ print(json.dumps({
 
 
 def test_a_step_holds_at_most_the_gradient_sum_more_than_plain_keras():
-    output = run_python(FLOOR, env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
+    output = run_python(FLOOR)
     peaks = last_json(output)
     for optimizer, figures in peaks.items():
         lowest = {kind: min(steps) for kind, steps in figures.items()}

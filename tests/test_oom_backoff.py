@@ -524,7 +524,6 @@ def test_soak_repeated_oom_keeps_memory_flat():
     """Hundreds of steps, an out-of-memory backoff (and retrace) every few."""
     result = run_python(
         SOAK.format(tests=os.path.dirname(os.path.abspath(__file__))),
-        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"},
     )
     figures = last_json(result)
     assert figures["backoffs"] >= 60, figures
@@ -655,7 +654,6 @@ def _real(code):
     result = run_python(
         code,
         memory_limit_mb=REAL_LIMIT_MB,
-        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"},
     )
     return last_json(result), result.stdout
 
@@ -848,8 +846,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_real_oom_in_the_loop_or_the_update_changes_nothing():
-    result = run_python(REAL_ROLLBACK, memory_limit_mb=64,
-                        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
+    result = run_python(REAL_ROLLBACK, memory_limit_mb=64)
     figures = last_json(result)
     size = r"[\d.]+ [KMG]?i?B"
     for case, failed in figures.items():
@@ -925,8 +922,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_a_state_that_does_not_fit_is_reported_before_the_first_step():
-    env = {"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
-    adam = run_python(STATE_DOES_NOT_FIT.format(optimizer="adam"), memory_limit_mb=20, env=env)
+    adam = run_python(STATE_DOES_NOT_FIT.format(optimizer="adam"), memory_limit_mb=20)
     figures = last_json(adam)
     assert figures["backoffs"] == 0  # no micro-batch size can help
     message = figures["message"]

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import LEGACY
+from conftest import KERAS_LINE
 
 from keras_memopt import _subprocess, supervise
 
@@ -64,7 +64,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _keras_env():
-    return {**_subprocess.tensorflow_env(), "TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"}
+    return {**_subprocess.tensorflow_env(), **KERAS_LINE}
 
 
 @pytest.mark.slow

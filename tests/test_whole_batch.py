@@ -239,8 +239,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_a_loss_that_does_not_fit_is_reported_at_once():
-    result = run_python(LOSS_DOES_NOT_FIT, memory_limit_mb=40,
-                        env={"TF_USE_LEGACY_KERAS": "1" if LEGACY else "0"})
+    result = run_python(LOSS_DOES_NOT_FIT, memory_limit_mb=40)
     out = last_json(result)
     message = out["message"]
     assert message is not None and message.startswith(
