@@ -185,7 +185,8 @@ class CustomSteps:
                 a loss over the whole batch (see above). Defaults to None.
 
         Returns:
-            `(loss, gradients)`: the batch's loss (float32) and one gradient
+            `(loss, gradients)`: the batch's loss (float32, or float64 for a
+            float64 loss) and one gradient
             per variable (None where the loss does not depend on it;
             `tf.IndexedSlices` for an Embedding's table).
 
@@ -221,17 +222,15 @@ class CustomSteps:
             loss, gradients, _ = whole.gradients(
                 lambda outputs, _: loss_fn(outputs, data), data, size, variables, optimizer
             )
-            return tf.cast(loss, tf.float32), gradients
+            return _loop.widened(loss), gradients
 
         def micro_step(micro):
-            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
-                batch_size, tf.float32
-            )
+            share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
             with tf.GradientTape() as tape:
                 loss = loss_fn(micro)
                 loss = loss * tf.cast(share, loss.dtype)
                 scaled = _keras.scale_loss(optimizer, loss)
-            return tf.cast(loss, tf.float32), tape.gradient(scaled, variables)
+            return _loop.widened(loss), tape.gradient(scaled, variables)
 
         return _loop.accumulate(micro_step, data, size, jit_compile=jit)
 

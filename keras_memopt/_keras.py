@@ -13,6 +13,8 @@ import warnings
 
 import tensorflow as tf
 
+from keras_memopt import _loop
+
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 if LEGACY:
@@ -133,7 +135,7 @@ def additional_loss(model, term):
     """A term of `model.losses` as Keras adds it to the loss (scaled for replicas)."""
     if LEGACY:
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        term = tf.reduce_sum(tf.cast(term, tf.float32))
+        term = tf.reduce_sum(_loop.widened(term))
         return term / replicas if replicas > 1 else term
     return model._aggregate_additional_loss(term)
 
@@ -147,6 +149,46 @@ def set_mask(tensor, mask):
     """Attaches a Keras mask to a tensor, as both lines' layers do."""
     tensor._keras_mask = mask
     return tensor
+
+
+def logits_of(tensor):
+    """What Keras's cross-entropies read in place of a softmax or sigmoid output, or None.
+
+    Both lines compute a cross-entropy of such an output from the
+    activation's input, whatever `from_logits` says (`_get_logits`): the
+    `_keras_logits` their activations attach, or in a graph the input of a
+    Softmax or Sigmoid op. A tensor built from outputs (repeated,
+    concatenated) has neither: `carry_logits` gives it what Keras read.
+    """
+    logits = getattr(tensor, "_keras_logits", None)
+    if logits is not None:
+        return logits
+    try:
+        op = tensor.op
+    except AttributeError:  # an eager tensor: only the attribute counts
+        return None
+    if op.type in _LOGIT_OPS and len(op.inputs) == 1:
+        return op.inputs[0]
+    return None
+
+
+_LOGIT_OPS = {"Softmax": tf.nn.softmax, "Sigmoid": tf.math.sigmoid}
+
+
+def carry_logits(tensor, logits, like):
+    """`tensor`, built from outputs such as `like`, as Keras's losses read `like`.
+
+    `logits` is built from their `logits_of` the same way (repeated,
+    concatenated). Where `like` carries `_keras_logits`, `tensor` carries
+    `logits`; where it is a graph's Softmax or Sigmoid op, the result is that
+    op on `logits` (the same values as `tensor`).
+    """
+    if logits is None:
+        return tensor
+    if getattr(like, "_keras_logits", None) is not None:
+        tensor._keras_logits = logits
+        return tensor
+    return _LOGIT_OPS[like.op.type](logits)
 
 
 def clear_losses(model):

@@ -2,9 +2,10 @@
 
 `accumulate(fn, data, size)` runs `fn` on each micro-batch of `data` and adds
 up what it returns: dense tensors are summed (in float32 where they are
-narrower), `tf.IndexedSlices` (an Embedding's gradient) are summed per row as
-they come (`sum_rows`), so the result is the whole batch's gradient with each
-row once, as sparse as the rows the batch touched, and `None` stays `None`.
+narrower, in their own dtype otherwise: float64 stays float64),
+`tf.IndexedSlices` (an Embedding's gradient) are summed per row as they come
+(`sum_rows`), so the result is the whole batch's gradient with each row once,
+as sparse as the rows the batch touched, and `None` stays `None`.
 
 Why per row: Keras 3's optimizers apply an `IndexedSlices` gradient slice by
 slice, so a row that appears k times has each part squared on its own by
@@ -36,6 +37,28 @@ import tensorflow as tf
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
 
 
+def sum_dtype(dtype) -> tf.DType:
+    """The dtype a sum of `dtype` values is kept in: float32 for float16 and
+    bfloat16 (mixed precision), `dtype` itself otherwise (float64 stays float64)."""
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in _NARROW_FLOATS else dtype
+
+
+def widened(tensor) -> tf.Tensor:
+    """`tensor` in `sum_dtype` of its dtype."""
+    return tf.cast(tensor, sum_dtype(tensor.dtype))
+
+
+def share_of(part, whole) -> tf.Tensor:
+    """`part / whole` of two sample counts, in float64.
+
+    Cast to any float dtype at its use, it is that dtype's nearest value of
+    the ratio: a float32 quotient would put float32 rounding into a float64
+    model's loss.
+    """
+    return tf.cast(part, tf.float64) / tf.cast(whole, tf.float64)
+
+
 def update_counters(model):
     """Variables that count optimizer updates but that layers advance at each
     training call (tfmot pruning wrappers' `pruning_step`).
@@ -52,39 +75,91 @@ def update_counters(model):
 
 
 def batch_size_of(data):
-    """The (dynamic) number of samples in a nest of batched tensors."""
+    """The (dynamic) number of samples in a nest of batched tensors (rows of
+    ragged and sparse ones)."""
     leaves = [t for t in tf.nest.flatten(data) if t is not None]
     if not leaves:
         raise ValueError(
             "AccumulatingModel splits each batch along its first axis, but the "
             "batch holds no tensor. Received: data=" + repr(data)
         )
-    return tf.shape(leaves[0], out_type=tf.int32)[0]
+    dense = [t for t in leaves if not isinstance(t, (tf.RaggedTensor, tf.SparseTensor))]
+    leaf = (dense or leaves)[0]
+    if isinstance(leaf, tf.RaggedTensor):
+        return leaf.nrows(out_type=tf.int32)
+    if isinstance(leaf, tf.SparseTensor):
+        return tf.cast(leaf.dense_shape[0], tf.int32)
+    return tf.shape(leaf, out_type=tf.int32)[0]
 
 
-def check_splittable(data):
-    for leaf in tf.nest.flatten(data):
-        if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
+def check_splittable(data, name="data"):
+    """Refuses, naming it, a batched value that cannot be split into rows.
+
+    Dense, ragged (`tf.RaggedTensor`) and sparse (`tf.SparseTensor`) tensors
+    split along their first axis; other composite tensors do not.
+    """
+    for path, leaf in _leaves_with_paths(data, name):
+        composite = isinstance(leaf, tf.__internal__.CompositeTensor)
+        if composite and not isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError(
                 "AccumulatingModel splits each batch into micro-batches along "
-                "its first axis, which it cannot do for ragged or sparse "
-                "tensors. Convert them to dense tensors (for example with "
-                "`.to_tensor()` or `tf.sparse.to_dense`) in the input "
-                f"pipeline. Received: a batch containing {type(leaf).__name__}"
+                "its first axis, which it can do for dense, ragged and sparse "
+                f"tensors only. Convert `{path}` to one of those in the input "
+                f"pipeline. Received: {path} of type {type(leaf).__name__}"
             )
 
 
+def _leaves_with_paths(data, path):
+    if isinstance(data, dict):
+        for key in sorted(data):
+            yield from _leaves_with_paths(data[key], f"{path}[{key!r}]")
+    elif isinstance(data, (list, tuple)):
+        for index, value in enumerate(data):
+            yield from _leaves_with_paths(value, f"{path}[{index}]")
+    else:
+        yield path, data
+
+
+def rows(tensor, start, size):
+    """Rows `start` to `start + size` (fewer at the end) of a batched tensor:
+    dense, ragged or sparse."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, tf.SparseTensor):
+        shape = tensor.dense_shape
+        begin = tf.concat([tf.cast([start], shape.dtype), tf.zeros_like(shape[1:])], 0)
+        return tf.sparse.slice(
+            tensor, begin, tf.concat([tf.cast([size], shape.dtype), shape[1:]], 0)
+        )
+    return tensor[start : start + size]
+
+
+def concat_rows(parts):
+    """Batched tensors one after another along the first axis (`rows`'s inverse)."""
+    if isinstance(parts[0], tf.SparseTensor):
+        return tf.sparse.concat(0, parts)
+    return tf.concat(parts, 0)
+
+
 def micro_slice(data, start, size):
-    return tf.nest.map_structure(
-        lambda t: None if t is None else t[start : start + size], data
-    )
+    return tf.nest.map_structure(lambda t: rows(t, start, size), data)
+
+
+def _micro_spec(t):
+    """The type spec of a micro-batch of `t`: the batch axis unknown."""
+    if t is None:
+        return None
+    shape = [None, *t.shape[1:]]
+    if isinstance(t, tf.RaggedTensor):
+        return tf.RaggedTensorSpec(shape, t.dtype, t.ragged_rank, t.row_splits.dtype)
+    if isinstance(t, tf.SparseTensor):
+        return tf.SparseTensorSpec(shape, t.dtype)
+    return tf.TensorSpec(shape, t.dtype)
 
 
 def _spec(data):
-    """`tf.TensorSpec`s of a micro-batch of `data`: the batch axis unknown."""
-    return tf.nest.map_structure(
-        lambda t: None if t is None else tf.TensorSpec([None, *t.shape[1:]], t.dtype), data
-    )
+    """The type specs of a micro-batch of `data`: the batch axis unknown."""
+    return tf.nest.map_structure(_micro_spec, data)
 
 
 def micro_function(fn, data, *args, jit_compile=False):
@@ -151,7 +226,7 @@ class _RunningSum:
             ]
             self.invariants = [tf.TensorShape([None]).concatenate(row), tf.TensorShape([None])]
         else:
-            self.dtype = tf.float32 if spec.dtype in _NARROW_FLOATS else spec.dtype
+            self.dtype = sum_dtype(spec.dtype)
             self.state = [tf.zeros([0], self.dtype)]  # replaced by the first value
             self.invariants = [tf.TensorShape(None)]
 

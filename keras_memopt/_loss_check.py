@@ -31,7 +31,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras, _rollback
+from keras_memopt import _keras, _loop, _rollback
 
 MEAN, SUM = "mean", "sum"
 
@@ -92,12 +92,13 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
     if not whole_batch_loss and not np.isnan(once[0]) and kind_of(once[0], once[1]) != MEAN:
         raise ValueError(_coupled_message(model, once[0], once[1]))
     terms = []
-    for index, (a, b, c) in enumerate(zip(once[2:], again[2:], doubled[2:], strict=True)):
-        kind = kind_of(a, c, spread=abs(b - a))
+    probes = zip(_terms(once), _terms(again), _terms(doubled), strict=True)
+    for index, (a, b, c) in enumerate(probes):
+        kind = _term_kind(a, b, c)
         if kind is None:
             raise ValueError(
                 "AccumulatingModel cannot split a loss term over micro-batches "
-                f"exactly: term {index} of `model.losses` {what_changed(a, c)}, neither the "
+                f"exactly: term {index} of `model.losses` {what_changed(a[0], c[0])}, neither the "
                 "same (a mean over samples) nor twice as large (a sum). Add it "
                 "as separate terms, one that sums over samples and one that "
                 f"does not. Received: model.losses[{index}]"
@@ -122,6 +123,33 @@ def _coupled_message(model, once, twice):
     )
 
 
+# A term this small tells nothing by its value (a sum of LayerNormalization
+# outputs is zero until their offsets move): its gradient decides.
+_NEGLIGIBLE = 1e-6
+
+
+def _terms(values):
+    """`(value, gradient norm)` of each term of `model.losses` in a probe's values."""
+    count = (len(values) - 2) // 2
+    return list(zip(values[2 : 2 + count], values[2 + count :], strict=True))
+
+
+def _term_kind(once, again, doubled):
+    """MEAN, SUM or None for one term, from its `(value, gradient norm)` on two
+    samples, again on them, and on them repeated.
+
+    Its value decides; where the value is negligible, the gradient's norm,
+    which keeps its size when the term averages over samples and doubles when
+    it sums over them; a term negligible with no gradient does nothing yet,
+    and counts as a mean.
+    """
+    if max(abs(once[0]), abs(doubled[0])) >= _NEGLIGIBLE:
+        return kind_of(once[0], doubled[0], spread=abs(again[0] - once[0]))
+    if max(once[1], doubled[1]) == 0:
+        return MEAN
+    return kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
+
+
 def _probe(model, data):
     """`_evaluate(model, *data)` in a replica's context (where Keras updates its
     loss trackers), as a list; Keras's warnings come from the step, once."""
@@ -134,9 +162,13 @@ def _probe(model, data):
 
 def _evaluate(model, x, y):
     """[loss of the outputs, the same on them repeated (NaN: none), each term of
-    `model.losses`] on one batch."""
-    y_pred = model(x, training=False)
-    terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
+    `model.losses`, each term's gradient norm] on one batch."""
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        y_pred = model(x, training=False)
+        terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
+    norms = [_norm(tape.gradient(term, variables)) for term in terms]
+    del tape
     nan = tf.constant(float("nan"))
     once = twice = nan
     if overrides(model, "compute_loss"):
@@ -147,7 +179,18 @@ def _evaluate(model, x, y):
     elif y is not None and has_compiled_loss(model):
         once = _keras.compiled_loss(model, y, y_pred, None, [])
         twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
-    return tf.stack([tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms])
+    return tf.stack([tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms, *norms])
+
+
+def _norm(gradients) -> tf.Tensor:
+    """The global norm of `gradients` (float32), a sparse one's rows summed first."""
+    squares = [tf.zeros([])]
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = _loop.sum_rows(gradient).values
+        if gradient is not None:
+            squares.append(tf.reduce_sum(tf.square(tf.cast(gradient, tf.float32))))
+    return tf.sqrt(tf.add_n(squares))
 
 
 # -- ignore_class ------------------------------------------------------------------
@@ -180,20 +223,23 @@ def ignore_classes(model) -> tuple:
 
 
 def first_samples(data, count):
-    return tf.nest.map_structure(lambda t: None if t is None else t[:count], data)
+    return _loop.micro_slice(data, 0, count)
 
 
 def repeat(data):
-    """Every sample twice (`x + x`), masks included."""
+    """Every sample twice (`x + x`), masks and the logits behind a softmax or
+    sigmoid output included (Keras's cross-entropies read those)."""
 
     def twice(t):
         if t is None:
             return None
-        mask = _keras.get_mask(t)
-        t = tf.concat([t, t], 0)
+        mask, logits = _keras.get_mask(t), _keras.logits_of(t)
+        doubled = _loop.concat_rows([t, t])
+        if logits is not None:
+            doubled = _keras.carry_logits(doubled, tf.concat([logits, logits], 0), t)
         if mask is not None:
-            _keras.set_mask(t, tf.concat([mask, mask], 0))
-        return t
+            _keras.set_mask(doubled, tf.concat([mask, mask], 0))
+        return doubled
 
     return tf.nest.map_structure(twice, data)
 

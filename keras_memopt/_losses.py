@@ -123,8 +123,7 @@ class LossSplit:
         divides each output's loss by over the batch (`batch_counts`).
         """
         model = self.model
-        n = tf.cast(_loop.batch_size_of((x, y, sample_weight)), tf.float32)
-        share = n / tf.cast(batch_size, tf.float32)
+        share = _loop.share_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
         if overrides(model, "compute_loss") or not has_compiled_loss(model):
             # A user's own loss: exact when it averages over samples.
             loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
@@ -152,15 +151,16 @@ class LossSplit:
         return loss
 
     def penalty(self, share) -> tf.Tensor:
-        """The terms of `model.losses` of the last call, each with its share (float32).
+        """The terms of `model.losses` of the last call, each with its share, summed
+        (in the terms' `_loop.sum_dtype`; Keras's float type when there are none).
 
         Not scaled for replicas: Keras scales it where it adds it
         (`whole_batch_loss`, `_keras.additional_loss`).
         """
-        total = tf.zeros([])
-        for index, term in enumerate(self.model.losses):
-            total += self._term(term, index, share, 1.0)
-        return total
+        terms = [self._term(t, i, share, 1.0) for i, t in enumerate(self.model.losses)]
+        if not terms:
+            return tf.zeros([], _loop.sum_dtype(_keras.keras.backend.floatx()))
+        return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
 
     def whole_batch_loss(self, x, y, y_pred, sample_weight, penalty, training):
         """The batch's loss of its outputs `y_pred`, as Keras computes it, plus `penalty`
@@ -174,19 +174,28 @@ class LossSplit:
     def _term(self, term, index, mean_share, sum_share):
         kinds = (self.form or LossForm()).terms
         kind = kinds[index] if index < len(kinds) else None
-        term = tf.reduce_sum(tf.cast(term, tf.float32))
-        return term * (sum_share if kind == SUM else mean_share)
+        term = tf.reduce_sum(_loop.widened(term))
+        return term * tf.cast(sum_share if kind == SUM else mean_share, term.dtype)
 
 
 def _masked_share(mask, valid, index):
-    count = tf.reduce_sum(tf.cast(mask, tf.float32))
+    """The micro-batch's share of output `index`'s count over the batch (float64)."""
+    count = tf.reduce_sum(tf.cast(mask, tf.float64))
     return tf.math.divide_no_nan(count, valid[index])
 
 
 def _output_weights(y_pred, sample_weight, shares, masks):
-    """Sample weights carrying each output's share: one for all outputs, or one per output."""
+    """Sample weights carrying each output's share: one for all outputs, or one per output.
+
+    `sample_weight` is what Keras hands the step: None, one tensor, or one per
+    output (a dict or list, as the user gave it; one tensor for several
+    outputs arrives as a tuple of that tensor).
+    """
     if all(mask is None for mask in masks):
-        return _scaled(sample_weight, shares[0])
+        # Every output's share is the micro-batch's: each weight scaled by it.
+        if sample_weight is None:
+            return shares[0]
+        return tf.nest.map_structure(lambda w: _scaled(w, shares[0]), sample_weight)
     flat = tf.nest.flatten(y_pred)
     if tf.nest.is_nested(sample_weight):
         user = tf.nest.flatten(sample_weight)
@@ -197,11 +206,16 @@ def _output_weights(y_pred, sample_weight, shares, masks):
 
 
 def _scaled(sample_weight, share):
+    """`sample_weight` times `share`, in the sample weight's float dtype (Keras's
+    float type for integer weights); `share` alone where there is no weight."""
     if share is None:
         return sample_weight
     if sample_weight is None:
         return share
-    return tf.cast(sample_weight, tf.float32) * share
+    dtype = sample_weight.dtype
+    if not dtype.is_floating:
+        dtype = _keras.keras.backend.floatx()
+    return tf.cast(sample_weight, dtype) * tf.cast(share, dtype)
 
 
 class OutputLossTrackers:
@@ -221,7 +235,7 @@ class OutputLossTrackers:
     def apply(self, weight, scale=1.0):
         for tracker, (total, count) in zip(self.trackers, self.before, strict=True):
             # Inside the loop each micro-batch added its share of the loss with weight one.
-            loss = (tracker.total - total) * scale
+            loss = (tracker.total - total) * tf.cast(scale, tracker.total.dtype)
             tracker.total.assign(total)
             tracker.count.assign(count)
             tracker.update_state(loss, sample_weight=weight)
@@ -233,12 +247,17 @@ def output_masks(y_pred) -> list:
 
 
 def _counts(masks) -> tf.Tensor:
-    """Elements kept by each mask (0 where there is none), float32."""
+    """Elements kept by each mask (0 where there is none), float64."""
     counts = [
-        tf.zeros([]) if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
+        tf.zeros([], tf.float64) if mask is None else tf.reduce_sum(tf.cast(mask, tf.float64))
         for mask in masks
     ]
-    return tf.stack(counts) if counts else tf.zeros([0])
+    return tf.stack(counts) if counts else no_counts()
+
+
+def no_counts() -> tf.Tensor:
+    """The counts of a loss that counts samples: none (`micro_batch_loss`'s `valid`)."""
+    return tf.zeros([0], tf.float64)
 
 
 def _flat_targets(y, outputs):

@@ -79,11 +79,8 @@ class StepRunner:
         spec = getattr(iterator, "element_spec", None)
         if self.kind == "predict" and not _keras.LEGACY:
             # Keras 3 pulls the predict data itself: a list of batches.
-            outputs = [self.run(data) for data in iterator]
-            if len(outputs) == 1:
-                return outputs[0]
-            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
-        outputs = None
+            return _joined([self.run(data) for data in iterator])
+        predictions = []
         for index in range(_keras.steps_per_execution(self.model)):
             try:
                 data = next(iterator)
@@ -92,7 +89,9 @@ class StepRunner:
                     raise
                 break
             outputs = self.run(data, spec)
-        return outputs
+            if self.kind == "predict":  # every step's, as Keras's own function returns
+                predictions.append(outputs)
+        return _joined(predictions) if self.kind == "predict" else outputs
 
     def _in_use(self, data):
         return self.model._setting.in_use(static_replica_batch(data))
@@ -293,6 +292,13 @@ class StepRunner:
         )
 
 
+
+
+def _joined(predictions):
+    """The predictions of several batches, one after another."""
+    if len(predictions) == 1:
+        return predictions[0]
+    return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
 
 
 def _elements(variable) -> int:

@@ -126,8 +126,9 @@ class MicroBatchSteps:
             self(tf.nest.map_structure(one_sample, x), training=False)
 
     def _unpack(self, data):
-        _loop.check_splittable(data)
         x, y, sample_weight = _keras.unpack_x_y_sample_weight(data)
+        for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+            _loop.check_splittable(value, name)
         self._build_before_loop(x)
         return x, y, sample_weight
 
@@ -146,17 +147,16 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of(data)
         size = self._setting.size_tensor(replica_batch)
         jit = self._micro_batch_jit_compile
-        no_counts = tf.zeros([0])
-        traced = _loop.micro_function(micro_step, data, no_counts, jit_compile=jit)
+        counts = _losses.no_counts()
+        traced = _loop.micro_function(micro_step, data, counts, jit_compile=jit)
         trackers = _losses.OutputLossTrackers(self)
-        counts = no_counts
         if counted_by[-1] is not None:
             forward = self._forward if counted_by[-1] == "outputs" else None
             counts = self._loss_split.batch_counts(forward, data, size, jit_compile=jit)
         outputs = _loop.accumulate(micro_step, data, size, counts, traced=traced)
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
-        scale = tf.cast(batch_size, tf.float32) / tf.cast(replica_batch, tf.float32)
+        scale = _loop.share_of(batch_size, replica_batch)
         trackers.apply(_keras.static_batch_dim(data[0]), scale)
         return outputs, scale
 
@@ -192,12 +192,12 @@ class MicroBatchSteps:
                 scaled = _keras.scale_loss(self.optimizer, loss)
             gradients = tape.gradient(scaled, variables)
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
-            return tf.cast(loss, tf.float32), gradients
+            return _loop.widened(loss), gradients
 
         (loss, gradients), scale = self._micro_batch_pass(
             micro_step, (x, y, sample_weight), batch_size, counted_by
         )
-        return loss * scale, replica_batch, gradients
+        return loss * tf.cast(scale, loss.dtype), replica_batch, gradients
 
     def _train_update(self, loss, batch_size, gradients):
         """The step's update (across replicas), once every micro-batch has run, and its logs."""
@@ -223,9 +223,7 @@ class MicroBatchSteps:
         size = self._setting.size_tensor(replica_batch)
 
         def forward(micro):
-            share = tf.cast(_loop.batch_size_of(micro), tf.float32) / tf.cast(
-                replica_batch, tf.float32
-            )
+            share = _loop.share_of(_loop.batch_size_of(micro), replica_batch)
             y_pred = self._forward(micro[0], training=training)
             return y_pred, self._loss_split.penalty(share)
 
@@ -243,7 +241,7 @@ class MicroBatchSteps:
             y_pred, penalty, _ = whole.outputs((x, y, sample_weight), size)
             loss = loss_fn(y_pred, penalty)
         _keras.update_metrics(self, x, y, y_pred, sample_weight)
-        return tf.cast(loss, tf.float32), replica_batch, gradients
+        return _loop.widened(loss), replica_batch, gradients
 
     # -- evaluation and prediction -------------------------------------------------
 
@@ -267,12 +265,12 @@ class MicroBatchSteps:
                 micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
-            return tf.cast(loss, tf.float32)
+            return _loop.widened(loss)
 
         loss, scale = self._micro_batch_pass(
             micro_step, (x, y, sample_weight), batch_size, counted_by
         )
-        return loss * scale, replica_batch
+        return loss * tf.cast(scale, loss.dtype), replica_batch
 
     def _test_logs(self, loss, batch_size):
         _keras.track_loss(self, loss, batch_size)
@@ -280,7 +278,7 @@ class MicroBatchSteps:
 
     def predict_step(self, data):
         x, _, _ = _keras.unpack_x_y_sample_weight(data)
-        _loop.check_splittable(x)
+        _loop.check_splittable(x, "x")
         self._build_before_loop(x)
         if not [t for t in tf.nest.flatten(x) if t is not None]:
             return self._forward(x, training=False)  # Keras says what is missing

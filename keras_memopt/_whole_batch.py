@@ -11,8 +11,9 @@ losses) makes it exact in three steps, here around Keras's own loss:
    terms). Memory: the whole batch's outputs plus one micro-batch's
    activations.
 2. `loss_and_output_gradients`: the loss runs once on the whole batch's
-   outputs, and gives its gradient with respect to them (in float32: the
-   outputs are cast first, so no loss scale is needed here).
+   outputs, and gives its gradient with respect to them (float16 and bfloat16
+   outputs are cast to float32 first, so no loss scale is needed here; float32
+   and float64 ones stay as they are).
 3. `backward`: each micro-batch runs forward again under a tape, with the
    random state of step 1 (the same dropout masks) and what it changes
    (BatchNormalization's moving statistics, seed states) put back afterwards,
@@ -34,13 +35,22 @@ def _floating(tensor) -> bool:
     return tensor.dtype.is_floating
 
 
+def _differentiated(outputs) -> list:
+    """What the loss's gradient is taken with respect to: each floating output,
+    then the logits behind the softmax and sigmoid ones, which Keras's
+    cross-entropies read instead of the output (`_keras.logits_of`)."""
+    floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
+    logits = [_keras.logits_of(t) for t in floats]
+    return floats + [t for t in logits if t is not None]
+
+
 class WholeBatch:
     """The three steps for one model and one forward function.
 
     Args:
         model: the `AccumulatingModel` (its random state is replayed).
         forward: a function of one micro-batch (a slice of the data) returning
-            `(outputs, penalty)`: a nest of output tensors, and a float32
+            `(outputs, penalty)`: a nest of output tensors, and a float
             scalar added to the loss (the micro-batch's share of the
             `model.losses` terms; `tf.zeros([])` for none).
         jit_compile: whether each micro-batch's pass is compiled with XLA.
@@ -63,26 +73,32 @@ class WholeBatch:
             state_shapes[:] = [s.shape for s in state]
             flat = tf.nest.flatten(outputs)
             masks = [_keras.get_mask(t) for t in flat]
+            logits = [_keras.logits_of(t) for t in flat]
             return (
                 flat,
                 [m for m in masks if m is not None],
+                [t for t in logits if t is not None],
                 [s[None] for s in state],
-                tf.reshape(tf.cast(penalty, tf.float32), [1]),
+                tf.reshape(_loop.widened(penalty), [1]),
             )
 
-        flat, masks, states, penalties = _loop.concatenate(
+        flat, masks, logits, states, penalties = _loop.concatenate(
             first, data, size, jit_compile=self.jit_compile
         )
         for state, shape in zip(states, state_shapes, strict=True):
             state.set_shape([None, *shape])
         rows = _keras.static_batch_dim(data)
         traced = tf.nest.flatten(structure[-1])
-        masks = iter(masks)
+        masks, logits = iter(masks), iter(logits)
         outputs = []
         for tensor, like in zip(flat, traced, strict=True):
             tensor.set_shape([rows, *like.shape[1:]])
             if _floating(tensor):
-                tensor = tf.cast(tensor, tf.float32)
+                tensor = _loop.widened(tensor)
+            if _keras.logits_of(like) is not None:
+                tensor = _keras.carry_logits(
+                    tensor, _loop.widened(tf.ensure_shape(next(logits), tensor.shape)), like
+                )
             if _keras.get_mask(like) is not None:
                 mask = next(masks)
                 mask.set_shape([rows, *_keras.get_mask(like).shape[1:]])
@@ -94,12 +110,12 @@ class WholeBatch:
     def loss_and_output_gradients(loss_fn, outputs, variables, optimizer):
         """Step 2: `(loss, output_gradients, direct_gradients)`.
 
-        `output_gradients` has one float32 tensor per floating output (the
-        loss's gradient with respect to it, unscaled); `direct_gradients`, per
+        `output_gradients` has one tensor per tensor of `_differentiated(outputs)`
+        (the loss's gradient with respect to it, unscaled); `direct_gradients`, per
         variable, the gradient of what the loss reads of the variables itself
         (None where nothing, the usual case), loss-scaled as step 3's are.
         """
-        floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
+        floats = _differentiated(outputs)
         # Named, so that an out-of-memory error here is told from a
         # micro-batch's: no smaller micro-batch changes what the loss holds.
         with tf.name_scope("whole_batch_loss"):
@@ -127,10 +143,14 @@ class WholeBatch:
             with tf.GradientTape() as tape:
                 with _replay.Rerun(model, state):
                     outputs, penalty = self.forward(micro_data)
-                floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
-                surrogate = _keras.additional_loss(model, penalty)
-                for output, gradient in zip(floats, gradients, strict=True):
-                    surrogate += tf.reduce_sum(tf.cast(output, tf.float32) * gradient)
+                floats = _differentiated(outputs)
+                parts = [
+                    tf.reduce_sum(tf.cast(output, gradient.dtype) * gradient)
+                    for output, gradient in zip(floats, gradients, strict=True)
+                ]
+                penalty = _keras.additional_loss(model, penalty)
+                dtype = parts[0].dtype if parts else penalty.dtype
+                surrogate = tf.add_n([tf.cast(p, dtype) for p in [*parts, penalty]])
                 scaled = _keras.scale_loss(optimizer, surrogate)
             return tape.gradient(scaled, variables)
 

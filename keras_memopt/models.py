@@ -247,6 +247,10 @@ class AccumulatingModel(
                 )
             inputs = keras.Input(batch_shape=shape)
             outputs = model(inputs)
+        elif isinstance(model, _keras.Functional):
+            # As the user built them (a dict of outputs stays a dict): losses,
+            # metrics and per-output sample weights are matched by their keys.
+            inputs, outputs = _keras.nested_inputs_outputs(model)
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, remat=remat, devices=devices,

@@ -711,17 +711,16 @@ class TestBadInput:
         with pytest.raises(ValueError, match="average over the samples.*reduction='sum'"):
             model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
 
-    def test_ragged_and_sparse_inputs_are_refused_before_any_update(self):
+    def test_what_cannot_be_split_is_refused_naming_it_before_any_update(self):
         model = _mlp(AccumulatingModel, micro_batch_size=4)
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         weights = model.get_weights()
-        dense = np.ones((8, 6), "float32")
-        sparse = tf.sparse.from_dense(dense)
-        with pytest.raises(TypeError, match="cannot do for ragged or sparse.*SparseTensor"):
-            model.train_step((sparse, np.zeros(8)))
-        ragged = tf.RaggedTensor.from_tensor(dense)
-        with pytest.raises(TypeError, match="ragged or sparse.*RaggedTensor"):
-            model.test_step((ragged, np.zeros(8)))
+        records = tf.experimental.StructuredTensor.from_pyval([{"id": i} for i in range(8)])
+        x = np.ones((8, 6), "float32")
+        with pytest.raises(TypeError, match=r"dense, ragged and sparse.*Received: y of type Str"):
+            model.train_step((x, records))
+        with pytest.raises(TypeError, match=r"Received: x\['a'\] of type StructuredTensor"):
+            model.test_step(({"a": records}, np.zeros(8)))
         for a, b in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
         assert int(model.optimizer.iterations) == 0

@@ -1,0 +1,260 @@
+"""A differential fuzzer: models drawn from Keras's own parts, trained two ways, in float64.
+
+Each case is a seed. `draw(seed)` draws a model from Keras's parts (Dense and
+LayerNormalization stacks, Conv1D/Conv2D with pooling, Embedding with and
+without `mask_zero` into pooling, GRU, LSTM or MultiHeadAttention, per-token
+taggers, two inputs, one output or two as a dict or a list), how it is made
+(functional, Sequential, subclassed, `from_model`), its heads (logits, or a
+softmax or sigmoid activation with either `from_logits`, confident or not),
+its loss and the loss's options (per-sample, per-token and per-output sample
+weights as dict and list, `class_weight`, `loss_weights`, `ignore_class`,
+label smoothing, masks, `add_loss`, kernel and activity regularisers), an
+optimizer of `keras.optimizers` with clipping, a schedule or EMA, a batch and a
+micro-batch size with uneven last ones, `steps_per_execution` and sometimes
+`jit_compile`.
+
+`run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
+the whole batch, from the same weights on the same batches, with
+`keras.config.set_floatx("float64")`, and compares every variable,
+`optimizer.iterations`, every figure `fit` logged, `evaluate`'s figures and
+the predictions. In float64 an accumulated update and the whole batch's differ
+by rounding only (1e-14 to 1e-16 after several Adam updates; a float32 cast
+anywhere shows as 1e-8, a wrong weighting as 1e-3): the tolerance, `RTOL`, is
+1e-9 relative to each variable's (or figure's) largest magnitude.
+
+The oracle is plain Keras with dense gradients (`_oracles.dense_gradients`):
+Keras 3 applies an Embedding's sparse gradient slice by slice, tf_keras clips
+the unsummed slices; neither is the whole batch's update.
+
+Run as a script for a long sweep (`python tests/_fuzz.py --cases 300`): one
+line per case and a summary; `--seed N` replays one case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import warnings
+
+# As the tests run (tests/conftest.py), when run as a script.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from _fuzz_cases import Spec, build_model, compile_kwargs, draw, make_data, make_optimizer  # noqa: E402
+from _oracles import dense_gradients  # noqa: E402
+
+from keras_memopt._keras import LEGACY, keras  # noqa: E402
+
+RTOL = 1e-9
+EPOCHS = 2
+
+
+@contextlib.contextmanager
+def float64():
+    """Keras's default float type is float64 inside (layers, losses, metrics)."""
+    before = keras.backend.floatx()
+    keras.backend.set_floatx("float64")
+    try:
+        yield
+    finally:
+        keras.backend.set_floatx(before)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one training of a case left: every figure to compare."""
+
+    variables: dict
+    iterations: int
+    history: dict
+    evaluation: dict
+    predictions: list
+
+
+def _first_rows(x, count=2):
+    def first(a):
+        if isinstance(a, tf.SparseTensor):
+            return tf.sparse.slice(a, [0, 0], [count, a.dense_shape[1]])
+        return a[:count]
+
+    return tf.nest.map_structure(first, x)
+
+
+def train(spec, accumulating: bool, initial=None) -> Run:
+    """Fits the case's model one way; returns what it left."""
+    x, y, fit_kwargs = make_data(spec)
+    model = build_model(spec, accumulating, _first_rows(x))
+    if initial is not None:
+        model.set_weights(initial)
+    optimizer = make_optimizer(spec)
+    if not accumulating:
+        optimizer = dense_gradients(optimizer)
+    model.compile(optimizer=optimizer, **compile_kwargs(spec))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(
+            x, y, batch_size=spec.batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
+            **fit_kwargs,
+        )
+        weights = {k: v for k, v in fit_kwargs.items() if k == "sample_weight"}
+        evaluation = model.evaluate(
+            x, y, batch_size=spec.batch_size, verbose=0, return_dict=True, **weights
+        )
+        predictions = model.predict(x, batch_size=spec.batch_size, verbose=0)
+    return Run(
+        variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
+        iterations=int(model.optimizer.iterations.numpy()),
+        history=dict(history.history),
+        evaluation=dict(evaluation),
+        predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
+    )
+
+
+def _name(variable, index):
+    return f"{index}:{getattr(variable, 'path', None) or variable.name}"
+
+
+def initial_weights(spec):
+    x, _, _ = make_data(spec)
+    return build_model(spec, False, _first_rows(x)).get_weights()
+
+
+# -- the comparison ------------------------------------------------------------------
+
+
+def _zero_gradient(name):
+    """Variables whose exact gradient is zero, left out of the comparison.
+
+    An attention layer's key bias shifts every logit of a softmax row by the
+    same amount, which the softmax ignores: its gradient is zero, and what is
+    computed is rounding, which Lion (a sign) and Adafactor (a normalisation)
+    turn into full steps in both runs, differently.
+    """
+    return "/key/bias" in name or "key/bias" in name.replace("_", "/")
+
+
+def relative_error(expected, received) -> float:
+    expected, received = np.asarray(expected, "float64"), np.asarray(received, "float64")
+    if expected.shape != received.shape:
+        return float("inf")
+    if not np.array_equal(np.isnan(expected), np.isnan(received)):
+        return float("inf")
+    finite = ~np.isnan(expected)
+    if not finite.any():
+        return 0.0
+    expected, received = expected[finite], received[finite]
+    scale = max(float(np.max(np.abs(expected))), 1e-12)
+    return float(np.max(np.abs(expected - received))) / scale
+
+
+def differences(expected: Run, received: Run) -> dict:
+    """Every compared figure's relative error; `inf` where one is missing."""
+    errors = {}
+    names = list(expected.variables)
+    if len(names) != len(received.variables):
+        errors["number of variables"] = float("inf")
+    for a, b in zip(names, received.variables, strict=False):
+        if not _zero_gradient(a):
+            errors[f"variable {a}"] = relative_error(expected.variables[a], received.variables[b])
+    errors["iterations"] = 0.0 if expected.iterations == received.iterations else float("inf")
+    for what, first, second in (
+        ("fit", expected.history, received.history),
+        ("evaluate", expected.evaluation, received.evaluation),
+    ):
+        for key in set(first) | set(second):
+            if key not in first or key not in second:
+                errors[f"{what} {key}"] = float("inf")
+            else:
+                errors[f"{what} {key}"] = relative_error(first[key], second[key])
+    for index, (a, b) in enumerate(zip(expected.predictions, received.predictions, strict=False)):
+        errors[f"predict {index}"] = relative_error(a, b)
+    return errors
+
+
+@dataclasses.dataclass
+class Result:
+    spec: Spec
+    worst: float  # the largest relative error (inf: a figure missing)
+    failures: dict  # figures over RTOL
+    error: str | None = None  # what AccumulatingModel raised
+    seconds: float = 0.0
+    invalid: str | None = None  # what plain Keras raised: a case the generator should not draw
+
+    @property
+    def passed(self):
+        return self.error is None and self.invalid is None and not self.failures
+
+    def line(self):
+        status = "PASS" if self.passed else ("INVALID" if self.invalid else "FAIL")
+        detail = f"worst={self.worst:.1e}"
+        if self.invalid:
+            detail = f"plain Keras raised {self.invalid}"
+        elif self.error:
+            detail = f"raised {self.error}"
+        elif self.failures:
+            shown = sorted(self.failures.items(), key=lambda kv: -kv[1])[:3]
+            detail += " " + "; ".join(f"{k}: {v:.1e}" for k, v in shown)
+        return f"{status} {self.seconds:5.1f}s {self.spec.describe()} | {detail}"
+
+
+def run(spec: Spec) -> Result:
+    """Trains the case both ways in float64 and compares them."""
+    started = time.perf_counter()
+    with float64():
+        keras.backend.clear_session()
+        try:
+            initial = initial_weights(spec)
+            expected = train(spec, accumulating=False, initial=initial)
+        except Exception as error:  # noqa: BLE001 - reported: the generator's to mend
+            seconds = time.perf_counter() - started
+            return Result(spec, float("inf"), {}, None, seconds, invalid=_summary(error))
+        try:
+            received = train(spec, accumulating=True, initial=initial)
+        except Exception as error:  # noqa: BLE001 - a case's failure, reported
+            return Result(spec, float("inf"), {}, _summary(error), time.perf_counter() - started)
+    errors = differences(expected, received)
+    failures = {k: v for k, v in errors.items() if not v <= RTOL}
+    worst = max(errors.values(), default=0.0)
+    return Result(spec, worst, failures, None, time.perf_counter() - started)
+
+
+def _summary(error):
+    """The line of an error's message that says what happened."""
+    lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+    line = lines[-1] if "Graph execution" in lines[0] else lines[0]
+    return f"{type(error).__name__}: {line[:200]}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--cases", type=int, default=100, help="how many seeds")
+    parser.add_argument("--seed", type=int, action="append", help="replay these seeds only")
+    args = parser.parse_args(argv)
+    tf.get_logger().setLevel("ERROR")  # retracing notes: every case traces anew
+    seeds = args.seed or range(args.first, args.first + args.cases)
+    results = []
+    for seed in seeds:
+        result = run(draw(seed))
+        results.append(result)
+        print(result.line(), flush=True)
+    failed = [r.spec.seed for r in results if not r.passed and not r.invalid]
+    invalid = [r.spec.seed for r in results if r.invalid]
+    passed = len(results) - len(failed) - len(invalid)
+    worst = max((r.worst for r in results if r.passed), default=0.0)
+    line = "Keras 3" if not LEGACY else "tf_keras"
+    print(
+        f"summary: {passed}/{len(results)} passed on {line} at rtol {RTOL:g} "
+        f"(worst passing {worst:.1e}); failed seeds: {failed}; invalid seeds: {invalid}"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""The fuzzer's cases: a model, its data and how it is compiled, drawn from a seed.
+
+`draw(seed)` draws every choice of a case (`Spec`) from Keras's own parts, each
+valid for plain Keras on the Keras line in use; `build_model`, `make_data`,
+`make_optimizer` and `compile_kwargs` make what it says. `_fuzz` trains and
+compares it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import tensorflow as tf
+
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import LEGACY, keras
+
+layers = keras.layers
+
+VOCAB, LENGTH, CLASSES = 12, 8, 4
+
+LINEAR_FAMILIES = ("dense", "conv1d", "conv2d", "pooled", "recurrent", "tagger", "sparse")
+FAMILIES = (*LINEAR_FAMILIES, "attention", "two_inputs", "ragged")
+# Drawn with `jit_compile` sometimes: XLA compiles each micro-batch shape, which takes
+# seconds for these small models and a minute for recurrent and attention ones.
+JIT_FAMILIES = ("dense", "conv1d", "conv2d", "pooled")
+OPTIMIZERS = [
+    name
+    for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta",
+        "Adafactor", "Ftrl", "Lion", "Lamb",
+    )
+    # tf_keras's Nadam counts its updates in a Python integer that each trace of
+    # its update advances: plain tf_keras's result depends on how often its step
+    # was traced, so it is no oracle (docs/accumulation.md).
+    if hasattr(keras.optimizers, name) and not (LEGACY and name == "Nadam")
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """One output: what it predicts and how its loss reads it."""
+
+    kind: str  # "sparse", "categorical", "binary" or "regression"
+    activation: str | None  # "softmax", "sigmoid" or None (logits)
+    from_logits: bool
+    confident: bool  # a large kernel: a saturated softmax or sigmoid
+    ignore_class: int | None = None
+    label_smoothing: float = 0.0
+
+    def describe(self):
+        text = self.kind
+        if self.activation:
+            text += f"+{self.activation}"
+        text += "/logits" if self.from_logits else "/probs"
+        if self.confident:
+            text += "/confident"
+        if self.ignore_class is not None:
+            text += f"/ignore{self.ignore_class}"
+        if self.label_smoothing:
+            text += f"/smooth{self.label_smoothing}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One drawn case; `describe()` says it in a line."""
+
+    seed: int
+    family: str
+    build: str  # "functional", "sequential", "subclassed" or "from_model"
+    outputs: str  # "one", "dict" or "list"
+    heads: tuple
+    mask_zero: bool
+    recurrent: str
+    regularize: bool
+    add_loss: str | None  # "mean" or "sum"
+    sample_weight: str | None  # "sample", "token", "output_dict" or "output_list"
+    class_weight: bool
+    loss_weights: bool
+    optimizer: str
+    optimizer_options: tuple
+    schedule: str | None
+    samples: int
+    batch_size: int
+    split: tuple  # (("micro_batch_size", 4),) or (("accumulation_steps", 3),)
+    whole_batch_loss: bool
+    steps_per_execution: int
+    jit_compile: bool
+
+    def describe(self):
+        parts = [
+            f"seed={self.seed}", self.family, self.build, f"outputs={self.outputs}",
+            "heads=" + ",".join(h.describe() for h in self.heads),
+        ]
+        if self.family in ("pooled", "recurrent", "tagger", "attention", "two_inputs", "ragged"):
+            parts.append(f"mask_zero={self.mask_zero}")
+        if self.family in ("recurrent", "tagger"):
+            parts.append(self.recurrent)
+        flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile")
+        for flag in flags:
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.add_loss:
+            parts.append(f"add_loss={self.add_loss}")
+        if self.sample_weight:
+            parts.append(f"sample_weight={self.sample_weight}")
+        options = ",".join(f"{k}={v}" for k, v in self.optimizer_options)
+        schedule = f"+{self.schedule}" if self.schedule else ""
+        parts.append(f"{self.optimizer}({options}){schedule}")
+        split = ",".join(f"{k}={v}" for k, v in self.split)
+        parts.append(f"n={self.samples},batch={self.batch_size},{split}")
+        if self.steps_per_execution > 1:
+            parts.append(f"steps_per_execution={self.steps_per_execution}")
+        return " ".join(parts)
+
+
+# -- drawing a case ------------------------------------------------------------------
+
+
+def _draw_head(r, family):
+    per_token = family == "tagger"
+    kind = r.choice(["sparse", "sparse", "categorical", "binary", "regression"])
+    if kind == "regression":
+        return Head(kind, None, True, False)
+    activation = r.choice([None, "softmax" if kind != "binary" else "sigmoid"])
+    from_logits = True if activation is None else r.random() < 0.3
+    ignore_class = 0 if kind == "sparse" and per_token and r.random() < 0.5 else None
+    smoothing = 0.1 if kind in ("categorical", "binary") and r.random() < 0.3 else 0.0
+    return Head(kind, activation, from_logits, r.random() < 0.3, ignore_class, smoothing)
+
+
+def _draw_optimizer(r):
+    name = r.choice(OPTIMIZERS)
+    options = {}
+    clip = r.choice([None, None, "clipnorm", "clipvalue", "global_clipnorm"])
+    if clip:
+        options[clip] = 0.5
+    if r.random() < 0.15:
+        options["use_ema"] = True
+        options["ema_momentum"] = 0.5
+    schedule = r.choice([None, None, None, "exponential", "piecewise"])
+    return name, tuple(sorted(options.items())), schedule
+
+
+def draw(seed: int) -> Spec:
+    """The case of `seed`: every choice valid for plain Keras on this Keras line."""
+    r = random.Random(seed)
+    family = r.choice(FAMILIES)
+    outputs = r.choice(["one", "one", "dict", "list"])
+    if family in ("two_inputs", "ragged") and outputs == "list":
+        outputs = "dict"
+    linear = family in LINEAR_FAMILIES and outputs == "one"
+    builds = ["functional", "subclassed", "from_model"] + (["sequential"] if linear else [])
+    build = r.choice(builds)
+    heads = tuple(_draw_head(r, family) for _ in range(1 if outputs == "one" else 2))
+    # Keras weighs a per-token loss by per-token weights, not per-sample ones.
+    sample_weights = [None, None, "token" if family == "tagger" else "sample"]
+    if outputs != "one":
+        sample_weights += ["output_dict" if outputs == "dict" else "output_list"] * 2
+    sparse_single = outputs == "one" and heads[0].kind == "sparse" and family != "tagger"
+    batch_size = r.randint(5, 12)
+    if r.random() < 0.5:
+        split = (("micro_batch_size", r.randint(1, batch_size - 1)),)
+    else:
+        split = (("accumulation_steps", r.randint(2, 4)),)
+    name, options, schedule = _draw_optimizer(r)
+    sample_weight = r.choice(sample_weights)
+    return Spec(
+        seed=seed,
+        family=family,
+        build=build,
+        outputs=outputs,
+        heads=heads,
+        mask_zero=r.random() < 0.6,
+        recurrent=r.choice(["GRU", "LSTM", "SimpleRNN", "BidirectionalGRU"]),
+        regularize=r.random() < 0.3,
+        add_loss=r.choice([None, None, "mean", "sum"]),
+        sample_weight=sample_weight,
+        class_weight=sparse_single and r.random() < 0.25 and sample_weight is None,
+        loss_weights=outputs != "one" and r.random() < 0.6,
+        optimizer=name,
+        optimizer_options=options,
+        schedule=schedule,
+        samples=2 * batch_size + r.randint(1, batch_size - 1),
+        batch_size=batch_size,
+        split=split,
+        whole_batch_loss=r.random() < 0.15,
+        steps_per_execution=r.choice([1, 1, 1, 2, 3]),
+        jit_compile=family in JIT_FAMILIES and r.random() < 0.1,
+    )
+
+
+# -- the model -----------------------------------------------------------------------
+
+
+class MeanPenalty(layers.Layer):
+    """An `add_loss` term that averages over the samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+class RaggedMean(layers.Layer):
+    """The mean embedding of a ragged row of ids (a user's variable-length history)."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(name="table", shape=(VOCAB, 6))
+
+    def call(self, ids):
+        return tf.reduce_mean(tf.ragged.map_flat_values(tf.gather, self.table, ids), axis=1)
+
+
+class SumPenalty(layers.Layer):
+    """An `add_loss` term that sums over the samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        self.add_loss(1e-3 * tf.reduce_sum(inputs))
+        return inputs
+
+
+def _recurrent(spec, units, sequences):
+    if spec.recurrent == "BidirectionalGRU":
+        return layers.Bidirectional(layers.GRU(units, return_sequences=sequences))
+    return getattr(layers, spec.recurrent)(units, return_sequences=sequences)
+
+
+def _trunk(spec):
+    """The trunk's layers, applied one after another (two-input and attention trunks
+    are applied by `_apply`)."""
+    regularizers = {}
+    if spec.regularize:
+        regularizers = dict(
+            kernel_regularizer=keras.regularizers.L2(1e-2),
+            activity_regularizer=keras.regularizers.L1(1e-3),
+        )
+    family = spec.family
+    embedding = layers.Embedding(VOCAB, 6, mask_zero=spec.mask_zero)
+    if family == "dense":
+        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.LayerNormalization(),
+                 layers.Dense(8, activation="relu")]
+    elif family == "conv1d":
+        parts = [layers.Conv1D(4, 3, activation="relu", **regularizers), layers.MaxPooling1D(2),
+                 layers.Conv1D(6, 2, activation="tanh"), layers.GlobalAveragePooling1D()]
+    elif family == "conv2d":
+        parts = [layers.Conv2D(4, 3, activation="relu", **regularizers),
+                 layers.BatchNormalization(trainable=False), layers.MaxPooling2D(),
+                 layers.Flatten()]
+    elif family == "pooled":
+        parts = [embedding, layers.GlobalAveragePooling1D(), layers.Dense(8, **regularizers)]
+    elif family == "recurrent":
+        parts = [embedding, _recurrent(spec, 6, sequences=False)]
+    elif family == "tagger":
+        parts = [embedding, _recurrent(spec, 6, sequences=True),
+                 layers.Dense(8, activation="tanh", **regularizers)]
+    elif family == "attention":
+        parts = [embedding, layers.MultiHeadAttention(num_heads=2, key_dim=4),
+                 layers.LayerNormalization(), layers.GlobalAveragePooling1D()]
+    elif family == "sparse":
+        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.Dense(8)]
+    elif family == "ragged":
+        parts = [RaggedMean(), layers.Concatenate(), layers.Dense(8, activation="tanh",
+                                                                  **regularizers)]
+    else:  # two_inputs
+        parts = [embedding, layers.GlobalAveragePooling1D(), layers.Dense(6, **regularizers),
+                 layers.Concatenate(), layers.Dense(8, activation="tanh")]
+    if spec.add_loss:
+        parts.append(MeanPenalty() if spec.add_loss == "mean" else SumPenalty())
+    return parts
+
+
+def _head_layer(spec, head, index):
+    units = {"sparse": CLASSES, "categorical": CLASSES}.get(head.kind, 1)
+    initializer = keras.initializers.RandomNormal(stddev=4.0 if head.confident else 0.3)
+    return layers.Dense(
+        units, activation=head.activation, kernel_initializer=initializer,
+        name=output_names(spec)[index],
+    )
+
+
+def output_names(spec):
+    return ["first", "second"][: len(spec.heads)]
+
+
+def make_layers(spec):
+    heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
+    return {"trunk": _trunk(spec), "heads": heads}
+
+
+def _apply(spec, parts, inputs):
+    """The model's graph on `inputs` (symbolic or not), with `make_layers`'s layers."""
+    trunk = parts["trunk"]
+    if spec.family == "attention":
+        x = trunk[0](inputs)
+        x = trunk[1](x, x)
+        rest = trunk[2:]
+    elif spec.family == "two_inputs":
+        tokens = trunk[2](trunk[1](trunk[0](inputs["tokens"])))
+        x = trunk[4](trunk[3]([tokens, inputs["features"]]))
+        rest = trunk[5:]
+    elif spec.family == "ragged":
+        x = trunk[1]([trunk[0](inputs["history"]), inputs["features"]])
+        rest = trunk[2:]
+    else:
+        x, rest = inputs, trunk
+    for layer in rest:
+        x = layer(x)
+    results = [head(x) for head in parts["heads"]]
+    if spec.outputs == "one":
+        return results[0]
+    if spec.outputs == "dict":
+        return dict(zip(output_names(spec), results, strict=True))
+    return results
+
+
+def _inputs(spec):
+    tokens = dict(shape=(LENGTH,), dtype="int32")
+    if spec.family == "dense":
+        return keras.Input((6,))
+    if spec.family == "conv1d":
+        return keras.Input((10, 3))
+    if spec.family == "conv2d":
+        return keras.Input((6, 6, 2))
+    if spec.family == "two_inputs":
+        return {"features": keras.Input((5,), name="features"),
+                "tokens": keras.Input(name="tokens", **tokens)}
+    if spec.family == "ragged":
+        return {"features": keras.Input((5,), name="features"),
+                "history": keras.Input((None,), dtype="int32", ragged=True, name="history")}
+    if spec.family == "sparse":
+        return keras.Input((10,), sparse=True)
+    return keras.Input(**tokens)
+
+
+def _subclass(base, spec):
+    """A fresh subclass of `base` per model: Keras rewrites the bases of a class
+    used functionally, so no class serves twice."""
+
+    def __init__(self, **kwargs):
+        base.__init__(self, **kwargs)
+        self.parts = make_layers(spec)
+
+    def call(self, inputs):
+        return _apply(spec, self.parts, inputs)
+
+    return type(f"Fuzzed{spec.seed}", (base,), {"__init__": __init__, "call": call})
+
+
+def build_model(spec, accumulating: bool, sample_x):
+    """The case's model: an `AccumulatingModel`, or plain Keras (`accumulating=False`)."""
+    split = {}
+    if accumulating:
+        split = dict(spec.split, whole_batch_loss=spec.whole_batch_loss)
+    keras.utils.set_random_seed(spec.seed)
+    if spec.build == "subclassed":
+        model = _subclass(AccumulatingModel if accumulating else keras.Model, spec)(**split)
+        model(sample_x)  # built, so that its weights can be set
+        return model
+    parts = make_layers(spec)
+    if spec.build == "sequential":
+        plain = keras.Sequential([_inputs(spec), *parts["trunk"], *parts["heads"]])
+    else:
+        inputs = _inputs(spec)
+        cls = AccumulatingModel if accumulating and spec.build == "functional" else keras.Model
+        kwargs = split if cls is AccumulatingModel else {}
+        plain = cls(inputs, _apply(spec, parts, inputs), **kwargs)
+        if cls is AccumulatingModel:
+            return plain
+    return AccumulatingModel.from_model(plain, **split) if accumulating else plain
+
+
+# -- the data ------------------------------------------------------------------------
+
+
+def _tokens(rng, n, mask_zero):
+    ids = rng.randint(1, VOCAB, size=(n, LENGTH))
+    if mask_zero:
+        lengths = rng.randint(2, LENGTH + 1, size=n)
+        ids[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
+    return ids.astype("int32")
+
+
+def _features(spec, rng, n):
+    if spec.family == "dense":
+        return rng.normal(size=(n, 6))
+    if spec.family == "conv1d":
+        return rng.normal(size=(n, 10, 3))
+    if spec.family == "conv2d":
+        return rng.uniform(size=(n, 6, 6, 2))
+    if spec.family == "sparse":
+        kept = rng.uniform(size=(n, 10)) < 0.3
+        return tf.sparse.from_dense(tf.constant(kept * rng.normal(size=(n, 10))))
+    if spec.family == "ragged":
+        history = [rng.randint(1, VOCAB, size=rng.randint(1, 6)).tolist() for _ in range(n)]
+        return {"features": rng.normal(size=(n, 5)),
+                "history": tf.ragged.constant(history, dtype=tf.int32)}
+    tokens = _tokens(rng, n, spec.mask_zero)
+    if spec.family == "two_inputs":
+        return {"features": rng.normal(size=(n, 5)), "tokens": tokens}
+    return tokens
+
+
+def _targets(head, rng, n, per_token, tokens):
+    shape = (n, LENGTH) if per_token else (n,)
+    if head.kind == "sparse":
+        y = rng.randint(0, CLASSES, size=shape)
+        if head.ignore_class is not None:
+            y[tokens == 0] = head.ignore_class  # the padding's targets are ignored
+        return y.astype("int32")
+    if head.kind == "categorical":
+        return np.eye(CLASSES)[rng.randint(0, CLASSES, size=shape)]
+    if head.kind == "binary":
+        return rng.randint(0, 2, size=(*shape, 1)).astype("float64")
+    return rng.normal(size=(*shape, 1))
+
+
+def make_data(spec):
+    """`(x, y, fit_kwargs)`: the case's samples, targets and weights."""
+    rng = np.random.RandomState(spec.seed)
+    n = spec.samples
+    x = _features(spec, rng, n)
+    per_token = spec.family == "tagger"
+    tokens = x if per_token else None
+    ys = [_targets(h, rng, n, per_token, tokens) for h in spec.heads]
+    names = output_names(spec)
+    y = ys[0] if spec.outputs == "one" else dict(zip(names, ys, strict=True))
+    if spec.outputs == "list":
+        y = ys
+    kwargs = {}
+    shape = (n, LENGTH) if per_token else (n,)
+    weights = [rng.uniform(0.1, 2.0, size=shape) for _ in spec.heads]
+    if spec.sample_weight == "sample":
+        kwargs["sample_weight"] = rng.uniform(0.1, 2.0, size=n)
+    elif spec.sample_weight == "token":
+        kwargs["sample_weight"] = weights[0]
+    elif spec.sample_weight == "output_dict":
+        kwargs["sample_weight"] = dict(zip(names, weights, strict=True))
+    elif spec.sample_weight == "output_list":
+        kwargs["sample_weight"] = weights
+    if spec.class_weight:
+        kwargs["class_weight"] = {c: 0.5 + 0.5 * c for c in range(CLASSES)}
+    return x, y, kwargs
+
+
+# -- compiling and training ----------------------------------------------------------
+
+
+def _loss(head):
+    if head.kind == "sparse":
+        kwargs = {} if head.ignore_class is None else dict(ignore_class=head.ignore_class)
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=head.from_logits, **kwargs)
+    if head.kind == "categorical":
+        return keras.losses.CategoricalCrossentropy(
+            from_logits=head.from_logits, label_smoothing=head.label_smoothing
+        )
+    if head.kind == "binary":
+        return keras.losses.BinaryCrossentropy(
+            from_logits=head.from_logits, label_smoothing=head.label_smoothing
+        )
+    return keras.losses.MeanSquaredError()
+
+
+def _metric(head):
+    return {"sparse": "sparse_categorical_accuracy", "categorical": "categorical_accuracy",
+            "binary": "binary_accuracy"}.get(head.kind, "mae")
+
+
+def make_optimizer(spec):
+    learning_rate = 0.05
+    if spec.schedule == "exponential":
+        learning_rate = keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.8)
+    elif spec.schedule == "piecewise":
+        learning_rate = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.05, 0.01])
+    return getattr(keras.optimizers, spec.optimizer)(
+        learning_rate=learning_rate, **dict(spec.optimizer_options)
+    )
+
+
+def compile_kwargs(spec):
+    names = output_names(spec)
+    losses = [_loss(h) for h in spec.heads]
+    metrics = [[_metric(h)] for h in spec.heads]
+    kwargs = {}
+    if spec.outputs == "one":
+        kwargs.update(loss=losses[0], metrics=metrics[0])
+    elif spec.outputs == "dict":
+        kwargs.update(loss=dict(zip(names, losses, strict=True)),
+                      metrics=dict(zip(names, metrics, strict=True)))
+    else:
+        kwargs.update(loss=losses, metrics=metrics)
+    if spec.loss_weights:
+        weights = [1.0, 0.3]
+        kwargs["loss_weights"] = (
+            dict(zip(names, weights, strict=True)) if spec.outputs == "dict" else weights
+        )
+    if spec.steps_per_execution > 1:
+        kwargs["steps_per_execution"] = spec.steps_per_execution
+    if spec.jit_compile:
+        kwargs["jit_compile"] = True
+    return kwargs

@@ -1,0 +1,131 @@
+"""The differential fuzzer (`_fuzz`) in CI: a fixed sample of its cases, and every case it
+found failing, by name.
+
+Each case trains a drawn model as an `AccumulatingModel` and as dense-gradient plain Keras
+at the whole batch, in float64, and compares every variable, `optimizer.iterations`, every
+figure `fit` and `evaluate` logged and the predictions at `_fuzz.RTOL` (1e-9 relative).
+The long sweep: `python tests/_fuzz.py --cases 300` (and with `TF_USE_LEGACY_KERAS=1`).
+"""
+
+import dataclasses
+
+import pytest
+import tensorflow as tf
+from _fuzz import RTOL, relative_error, run
+from _fuzz_cases import Head, Spec, draw
+
+from keras_memopt import _loop
+from keras_memopt._keras import LEGACY
+
+# The fixed sample CI runs on each Keras line (about 90 s of cases on one core).
+SEEDS = range(16)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_drawn_case_matches_plain_keras(seed):
+    result = run(draw(seed))
+    assert result.passed, result.line()
+
+
+SPARSE = Head("sparse", None, True, False)
+BASE = Spec(
+    seed=1000, family="dense", build="functional", outputs="one", heads=(SPARSE,),
+    mask_zero=False, recurrent="GRU", regularize=False, add_loss=None, sample_weight=None,
+    class_weight=False, loss_weights=False, optimizer="Adam", optimizer_options=(),
+    schedule=None, samples=21, batch_size=8, split=(("micro_batch_size", 3),),
+    whole_batch_loss=False, steps_per_execution=1, jit_compile=False,
+)
+TWO = (Head("regression", None, True, False), SPARSE)
+SOFTMAX = Head("sparse", "softmax", False, True)
+
+
+def case(**changes):
+    return dataclasses.replace(BASE, **changes)
+
+
+# Every case the fuzzer found failing, made by hand from what it drew.
+FOUND = {
+    # fit and evaluate raised a TypeError in the loss's sample weights.
+    "per-output-sample-weights-as-a-dict": case(
+        outputs="dict", heads=TWO, sample_weight="output_dict"
+    ),
+    # Stacked into one (2, n) tensor: trained silently wrong.
+    "per-output-sample-weights-as-a-list": case(
+        outputs="list", heads=TWO, sample_weight="output_list"
+    ),
+    # `from_model` lost the dict of outputs: a KeyError where Keras matched the weights.
+    "from-model-per-output-weights-and-loss-weights": case(
+        build="from_model", outputs="dict", heads=TWO, sample_weight="output_dict",
+        loss_weights=True,
+    ),
+    # One sample weight for two outputs arrives as a tuple of it.
+    "one-sample-weight-for-two-outputs": case(
+        family="attention", outputs="list", heads=TWO, sample_weight="sample", loss_weights=True
+    ),
+    # float64: a float32 x float64 `Mul` in the per-output loss trackers.
+    "float64-two-outputs-with-loss-weights": case(
+        family="conv1d", build="subclassed", outputs="list", heads=TWO, loss_weights=True,
+        add_loss="sum",
+    ),
+    # float64: the shares, masked counts and penalties were float32 (1e-8 from float64 Keras).
+    "float64-masked-tagger": case(
+        family="tagger", mask_zero=True, recurrent="SimpleRNN",
+        heads=(Head("sparse", None, True, False, ignore_class=0),), sample_weight="token",
+        regularize=True, split=(("accumulation_steps", 3),),
+    ),
+    # A ragged feature, refused before; sparse inputs, refused too.
+    "ragged-history": case(family="ragged", outputs="dict", heads=TWO, mask_zero=True),
+    "sparse-input": case(family="sparse", build="sequential", optimizer="RMSprop"),
+    # The loss check read a sigmoid output's logits once and the probabilities of its
+    # repetition: refused as a coupled loss.
+    "sigmoid-head-from-logits-with-label-smoothing": case(
+        family="pooled", outputs="dict", loss_weights=True,
+        heads=(Head("binary", "sigmoid", True, False, label_smoothing=0.1),
+               Head("categorical", None, True, False, label_smoothing=0.1)),
+    ),
+    "confident-softmax-head": case(family="conv2d", heads=(SOFTMAX,), optimizer="SGD"),
+    # whole_batch_loss concatenated the outputs without the logits Keras reads.
+    "whole-batch-loss-softmax-head": case(
+        family="conv2d", build="from_model", heads=(SOFTMAX,), whole_batch_loss=True,
+        optimizer="SGD",
+    ),
+    "whole-batch-loss-sigmoid-and-regression-heads": case(
+        outputs="dict", heads=(Head("binary", "sigmoid", False, True), TWO[0]),
+        whole_batch_loss=True, sample_weight="output_dict",
+    ),
+    # tf_keras: `predict` with steps_per_execution returned the last batch's predictions.
+    "predict-with-steps-per-execution": case(steps_per_execution=3),
+    # A term that sums LayerNormalization outputs is zero at the first step: its value
+    # could not tell a sum from a mean, its gradient does.
+    "add-loss-zero-at-the-first-step": case(
+        family="attention", build="subclassed", outputs="dict", heads=TWO, add_loss="sum",
+        loss_weights=True, optimizer="Lamb" if not LEGACY else "Adam",
+        split=(("micro_batch_size", 5),), steps_per_execution=3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_found_case_matches_plain_keras(name):
+    result = run(FOUND[name])
+    assert result.passed, result.line()
+
+
+class TestTheComparison:
+    """The fuzzer's comparison can fail: a check that cannot is no check."""
+
+    def test_relative_error_counts_from_the_largest_magnitude(self):
+        assert relative_error([1.0, 1e-6], [1.0, 1e-6 + 1e-16]) <= RTOL
+        assert relative_error([1.0, 2.0], [1.0, 2.0 + 4e-9]) > RTOL
+        assert relative_error([1.0], [1.0, 2.0]) == float("inf")
+        assert relative_error([float("nan")], [float("nan")]) == 0.0
+        assert relative_error([float("nan")], [1.0]) == float("inf")
+
+    def test_a_float32_share_fails_the_float64_comparison(self, monkeypatch):
+        def float32_share(part, whole):
+            return tf.cast(tf.cast(part, tf.float32) / tf.cast(whole, tf.float32), tf.float64)
+
+        monkeypatch.setattr(_loop, "share_of", float32_share)
+        result = run(case(samples=23, batch_size=9, split=(("micro_batch_size", 7),)))
+        assert not result.passed
+        assert 1e-9 < result.worst < 1e-5, result.line()
