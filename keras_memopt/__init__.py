@@ -40,7 +40,7 @@ if _launched_as_command():
     def __getattr__(name):
         import importlib
 
-        if name in ("callbacks", "pruning", "supervise"):
+        if name in ("callbacks", "pruning", "quantization", "supervise"):
             return importlib.import_module(f"keras_memopt.{name}")
         if name in _LAZY:
             value = getattr(importlib.import_module(_LAZY[name]), name)
@@ -49,7 +49,12 @@ if _launched_as_command():
         raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
 
 else:
-    from keras_memopt import callbacks, pruning, supervise  # noqa: F401  (modules of the API)
+    from keras_memopt import (  # noqa: F401  (modules of the API)
+        callbacks,
+        pruning,
+        quantization,
+        supervise,
+    )
     from keras_memopt.devices import configure_devices
     from keras_memopt.memory import MemoryReader
     from keras_memopt.models import AccumulatingModel

@@ -25,6 +25,7 @@ else:
 # Keras hides its functional model class; both lines return it from
 # `Model.__new__` when given functional arguments (without initialising it).
 Functional = type(keras.Model.__new__(keras.Model, inputs=[], outputs=[]))
+InputLayer = keras.layers.InputLayer
 
 register_serializable = keras.saving.register_keras_serializable
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight

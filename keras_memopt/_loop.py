@@ -59,21 +59,6 @@ def share_of(part, whole) -> tf.Tensor:
     return tf.cast(part, tf.float64) / tf.cast(whole, tf.float64)
 
 
-def update_counters(model):
-    """Variables that count optimizer updates but that layers advance at each
-    training call (tfmot pruning wrappers' `pruning_step`).
-
-    Every micro-batch of a step starts from the same values of these, so
-    that they advance once per update, not once per micro-batch.
-    """
-    counters = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        counter = getattr(layer, "pruning_step", None)
-        if isinstance(counter, tf.Variable):
-            counters.append(counter)
-    return counters
-
-
 def batch_size_of(data):
     """The (dynamic) number of samples in a nest of batched tensors (rows of
     ragged and sparse ones)."""
@@ -201,8 +186,11 @@ def sum_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, rows, slices.dense_shape)
 
 
+_FOLDS = {"sum": tf.add, "min": tf.minimum, "max": tf.maximum}
+
+
 class _RunningSum:
-    """The running sum of one output of `fn`, as loop variables.
+    """The running sum (or minimum, or maximum) of one output of `fn`, as loop variables.
 
     Dense sums start from the first micro-batch's value (no zeros to fill).
     `tf.IndexedSlices` are summed per row as they come (`sum_rows` of the
@@ -214,8 +202,9 @@ class _RunningSum:
     order either way.
     """
 
-    def __init__(self, spec):
+    def __init__(self, spec, reduction="sum"):
         self.spec = spec
+        self.fold = _FOLDS[reduction]
         self.sparse = isinstance(spec, tf.IndexedSlicesSpec)
         if self.sparse:
             # `tf.IndexedSlicesSpec` has no public accessors for its parts.
@@ -242,7 +231,7 @@ class _RunningSum:
                 return [rows.values, rows.indices]
             value = tf.cast(value, self.dtype)
             total = state[0]
-            return [tf.cond(index > 0, lambda: total + value, lambda: value)]
+            return [tf.cond(index > 0, lambda: self.fold(total, value), lambda: value)]
 
     def result(self, state):
         if self.sparse:
@@ -250,7 +239,7 @@ class _RunningSum:
         return tf.ensure_shape(tf.cast(state[0], self.spec.dtype), self.spec.shape)
 
 
-def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
+def accumulate(fn, data, size, *args, jit_compile=False, traced=None, reductions=None):
     """Runs `fn(micro_batch, *args)` over `data` in micro-batches of `size`; sums its outputs.
 
     Args:
@@ -264,18 +253,23 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None):
             shape compiles once; the loop itself never is).
         traced: what `micro_function(fn, data, *args)` returned, when the
             caller traced it already (to read its outputs' structure first).
+        reductions: a nest like `fn`'s outputs of "sum", "min" or "max": how
+            each dense output folds over the micro-batches. Defaults to None
+            (every output summed).
 
     Returns:
-        `fn`'s outputs summed over the micro-batches (see the module
-        docstring), in `fn`'s structure and dtypes.
+        `fn`'s outputs summed (or folded by `reductions`) over the
+        micro-batches (see the module docstring), in `fn`'s structure and
+        dtypes.
     """
     function, specs = traced or micro_function(fn, data, *args, jit_compile=jit_compile)
     batch_size = batch_size_of(data)
     size = tf.cast(size, batch_size.dtype)
     count = (batch_size + size - 1) // size
     flat_specs = tf.nest.flatten(specs)
+    folds = tf.nest.flatten(reductions) if reductions is not None else ["sum"] * len(flat_specs)
     present = [i for i, spec in enumerate(flat_specs) if spec is not None]
-    sums = {i: _RunningSum(flat_specs[i]) for i in present}
+    sums = {i: _RunningSum(flat_specs[i], folds[i]) for i in present}
 
     def body(index, states):
         outputs = tf.nest.flatten(function(micro_slice(data, index * size, size), *args))

@@ -31,7 +31,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _rollback
+from keras_memopt import _batch_dependence, _keras, _loop, _rollback
 
 MEAN, SUM = "mean", "sum"
 
@@ -85,6 +85,7 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
     taken = snapshot.take()
     try:
         once, again, doubled = _probe(model, pair), _probe(model, pair), _probe(model, twice)
+        _batch_dependence.warn(model, x)
     finally:
         for metric in model.metrics:  # the loss trackers may be new
             metric.reset_state()

@@ -27,10 +27,12 @@ from keras_memopt import _keras, distribute
 
 
 def _unique(groups):
+    """The variables of `groups`, each once; tf_keras's weight handlers (a lookup
+    table's vocabulary, listed among a layer's weights) are no variables."""
     seen, variables = set(), []
     for group in groups:
         for variable in group:
-            if id(variable) not in seen:
+            if id(variable) not in seen and hasattr(variable, "assign"):
                 seen.add(id(variable))
                 variables.append(variable)
     return variables

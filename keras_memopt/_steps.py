@@ -23,28 +23,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _losses, _shares, _whole_batch, distribute
-
-
-def _update_counters(model):
-    """`_loop.update_counters(model)`, refused under a distribution strategy.
-
-    Raises:
-        NotImplementedError: under a distribution strategy: the pruning
-            wrappers synchronise the replicas in every training call, which
-            TensorFlow does not allow inside the loop over micro-batches.
-    """
-    counters = _loop.update_counters(model)
-    if counters and tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-        raise NotImplementedError(
-            "An AccumulatingModel with tfmot pruning wrappers cannot train "
-            "under a distribution strategy: the wrappers synchronise the "
-            "replicas (`merge_call`) in every training call, which TensorFlow "
-            "does not allow inside the loop over micro-batches. Train it "
-            "without a strategy, or prune a plain `keras.Model`. Received: "
-            f"strategy={type(tf.distribute.get_strategy()).__name__}"
-        )
-    return counters
+from keras_memopt import _keras, _loop, _losses, _per_update, _shares, _whole_batch, distribute
 
 
 class MicroBatchSteps:
@@ -132,7 +111,7 @@ class MicroBatchSteps:
         self._build_before_loop(x)
         return x, y, sample_weight
 
-    def _micro_batch_pass(self, micro_step, data, batch_size, counted_by):
+    def _micro_batch_pass(self, micro_step, data, batch_size, counted_by, reductions=None):
         """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
         The pass `train_step` and `test_step` share. `micro_step` returns the
@@ -141,8 +120,9 @@ class MicroBatchSteps:
         before the loop is built). `counts` are what Keras divides each
         output's loss by, over the whole batch: counted in a first pass when an
         output carries a mask or its loss ignores a class (see
-        `keras_memopt._losses`). Returns the summed outputs and the scale that
-        turns this replica's loss into its mean.
+        `keras_memopt._losses`). `reductions` as for `_loop.accumulate`.
+        Returns the summed outputs and the scale that turns this replica's
+        loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
         size = self._setting.size_tensor(replica_batch)
@@ -153,7 +133,9 @@ class MicroBatchSteps:
         if counted_by[-1] is not None:
             forward = self._forward if counted_by[-1] == "outputs" else None
             counts = self._loss_split.batch_counts(forward, data, size, jit_compile=jit)
-        outputs = _loop.accumulate(micro_step, data, size, counts, traced=traced)
+        outputs = _loop.accumulate(
+            micro_step, data, size, counts, traced=traced, reductions=reductions
+        )
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
         scale = _loop.share_of(batch_size, replica_batch)
@@ -176,13 +158,13 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
         variables = self.trainable_variables
-        counters = _update_counters(self)
-        starts = [counter.read_value() for counter in counters]
+        per_update = _per_update.PerUpdate(self)  # tfmot's: advanced once per update
+        starts = per_update.starts()
         counted_by = []
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
-            restarts = [c.assign(s) for c, s in zip(counters, starts, strict=True)]
+            restarts = per_update.restart(starts)
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
                 y_pred = self._forward(micro_x, training=True)
                 counted_by.append(self._loss_split.counted_by(micro_y, y_pred))
@@ -192,11 +174,13 @@ class MicroBatchSteps:
                 scaled = _keras.scale_loss(self.optimizer, loss)
             gradients = tape.gradient(scaled, variables)
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
-            return _loop.widened(loss), gradients
+            return _loop.widened(loss), gradients, per_update.extremes()
 
-        (loss, gradients), scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, counted_by
+        reductions = ("sum", ["sum"] * len(variables), per_update.reductions())
+        (loss, gradients, extremes), scale = self._micro_batch_pass(
+            micro_step, (x, y, sample_weight), batch_size, counted_by, reductions
         )
+        per_update.finish(extremes)
         return loss * tf.cast(scale, loss.dtype), replica_batch, gradients
 
     def _train_update(self, loss, batch_size, gradients):
@@ -212,11 +196,12 @@ class MicroBatchSteps:
     def _whole_batch_pass(self, data, training):
         """`whole_batch_loss=True`: `(loss, size, gradients)`, the loss of the whole
         batch's outputs (`keras_memopt._whole_batch`); metrics see those outputs once."""
-        if _loop.update_counters(self):
+        if _per_update.PerUpdate(self):
             raise NotImplementedError(
                 "`whole_batch_loss=True` runs each micro-batch forward twice, which "
-                "would advance tfmot's pruning steps twice. Train the pruned model "
-                "without it. Received: whole_batch_loss=True"
+                "would advance tfmot's pruning steps twice (and its quantization "
+                "ranges). Train the pruned or quantized model without it. Received: "
+                "whole_batch_loss=True"
             )
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))

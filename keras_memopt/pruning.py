@@ -39,94 +39,10 @@ exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
 
 from __future__ import annotations
 
-import os
-
-from keras_memopt import _keras, _loop
+from keras_memopt import _keras, _per_update, _tfmot
 from keras_memopt.models import AccumulatingModel
 
 __all__ = ["prune_low_magnitude", "strip_pruning"]
-
-
-def _keras_3_error():
-    now = os.environ.get("TF_USE_LEGACY_KERAS")
-    if now is None:
-        received = "TF_USE_LEGACY_KERAS unset"
-    elif now.lower() in ("1", "true"):
-        # tfmot sets it when imported (tensorflow_model_optimization's
-        # `compat.py`): imported after keras_memopt, too late.
-        received = (
-            f"TF_USE_LEGACY_KERAS={now!r} set after keras_memopt was imported "
-            "(importing tensorflow_model_optimization sets it)"
-        )
-    else:
-        received = f"TF_USE_LEGACY_KERAS={now!r}"
-    return RuntimeError(
-        "Pruning uses tensorflow-model-optimization, which works only with "
-        "tf_keras (Keras 2), but keras_memopt is running on Keras 3. Set the "
-        "environment variable TF_USE_LEGACY_KERAS=1 before anything imports "
-        "TensorFlow (for example `TF_USE_LEGACY_KERAS=1 python train.py`; in a "
-        "notebook, restart the kernel and set it in the first cell), install "
-        'the extra with `pip install "keras_memopt[tfmot]"`, and build the '
-        "model with `tf_keras` (or `tf.keras`). "
-        f"Received: Keras {_keras.keras.__version__} with {received}"
-    )
-
-
-def _sparsity():
-    """tfmot's `sparsity.keras` module, or a clear error saying what to do."""
-    if not _keras.LEGACY:
-        # Before importing tfmot, which would set TF_USE_LEGACY_KERAS=1 for
-        # every process this one starts.
-        raise _keras_3_error()
-    try:
-        import tensorflow_model_optimization as tfmot
-    except Exception as error:  # noqa: BLE001 - any failure to import it says the same
-        missing = isinstance(error, ImportError) and error.name == "tensorflow_model_optimization"
-        what = "is not installed" if missing else "could not be imported"
-        raise ImportError(
-            f"Pruning needs tensorflow-model-optimization, which {what}. Install "
-            'it, with the tf_keras it needs, by `pip install "keras_memopt[tfmot]"`. '
-            f"Received: {type(error).__name__}: {error}"
-        ) from error
-    return tfmot.sparsity.keras
-
-
-def _check_model(model, expected=None):
-    expected = expected or _keras.keras.Model
-    if not isinstance(model, expected):
-        raise TypeError(
-            f"`model` must be a tf_keras `{expected.__name__}`: with "
-            "TF_USE_LEGACY_KERAS=1, build it with `tf_keras` or `tf.keras`, not "
-            "with `import keras`, which is Keras 3 (importing "
-            "tensorflow_model_optimization sets TF_USE_LEGACY_KERAS=1, so "
-            "keras_memopt imported after it runs on tf_keras). Received: "
-            f"model={model!r} of type {type(model).__module__}.{type(model).__name__}"
-        )
-
-
-def _rewrap(original, rebuilt):
-    """`rebuilt` (tfmot's functional clone of `original`) as an
-    `AccumulatingModel` with `original`'s settings; other models unchanged."""
-    if not isinstance(original, AccumulatingModel) or isinstance(rebuilt, AccumulatingModel):
-        return rebuilt
-    remat = original.remat
-    if isinstance(remat, list):
-        # The clone has the same layers in the same order, some renamed by
-        # their pruning wrappers.
-        names = {
-            old.name: new.name
-            for old, new in zip(original.layers, rebuilt.layers, strict=True)
-        }
-        remat = [names[name] for name in remat]
-    inputs, outputs = _keras.nested_inputs_outputs(rebuilt)
-    return type(original)(
-        inputs,
-        outputs,
-        name=rebuilt.name,
-        micro_batch_size=original.micro_batch_size,
-        accumulation_steps=original.accumulation_steps,
-        remat=remat,
-    )
 
 
 def prune_low_magnitude(model, **kwargs):
@@ -166,10 +82,10 @@ def prune_low_magnitude(model, **kwargs):
         TypeError: if `model` is not a tf_keras model or layer (a Keras 3
             one, say).
     """
-    sparsity = _sparsity()
+    sparsity = _tfmot.tfmot("Pruning").sparsity.keras
     for item in model if isinstance(model, list) else [model]:
-        _check_model(item, _keras.keras.layers.Layer)
-    return _rewrap(model, sparsity.prune_low_magnitude(model, **kwargs))
+        _tfmot.check_model(item, _keras.keras.layers.Layer)
+    return _tfmot.rewrap(model, sparsity.prune_low_magnitude(model, **kwargs), AccumulatingModel)
 
 
 def strip_pruning(model):
@@ -199,9 +115,9 @@ def strip_pruning(model):
         ImportError: if tensorflow-model-optimization is not installed.
         TypeError: if `model` is not a tf_keras model.
     """
-    sparsity = _sparsity()
-    _check_model(model)
-    return _rewrap(model, sparsity.strip_pruning(model))
+    sparsity = _tfmot.tfmot("Pruning").sparsity.keras
+    _tfmot.check_model(model)
+    return _tfmot.rewrap(model, sparsity.strip_pruning(model), AccumulatingModel)
 
 
 def step_counters(model):
@@ -210,4 +126,4 @@ def step_counters(model):
     An `AccumulatingModel` runs every micro-batch of a step from the same
     values of these, so they count optimizer updates, as in plain Keras.
     """
-    return _loop.update_counters(model)
+    return _per_update.counters(model)

@@ -1,0 +1,96 @@
+"""Layers whose outputs depend on which samples share a batch: warned about at the first step.
+
+A micro-batch is a batch of its own to every layer. Where a layer's output
+follows the batch it sees, beyond each sample's own values, the micro-batches
+see other values than the whole batch would: BatchNormalization's statistics
+(ghost batch norm, see docs/accumulation.md), and layers whose output *shape*
+follows the batch, such as `TextVectorization(output_sequence_length=None)`,
+which pads each call to its longest text. Each micro-batch is then padded to
+its own longest text, and without a mask the padding counts (in an average
+pooling, say): the update differs from plain Keras's at the whole batch.
+
+`warn(model, x)` names such layers where it can recognise them: a
+`TextVectorization` that pads to the batch, and any output (of any layer of a
+functional model) whose shape differs between the batch's first sample and
+its first two, where the shape is not known before.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from keras_memopt import _keras, _loop
+
+
+def _padding_to_the_batch(model) -> list[str]:
+    names = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if type(layer).__name__ != "TextVectorization":
+            continue
+        config = layer.get_config()
+        if config.get("output_mode") == "int" and config.get("output_sequence_length") is None:
+            names.append(layer.name)
+    return names
+
+
+def _probe(model):
+    """`(names, function)`: what to compare and a model giving it, or `([], None)`.
+
+    A functional model's layer outputs whose shape beyond the batch is not
+    known, as a model of its own over the same layers; a subclassed model's
+    outputs.
+    """
+    if not isinstance(model, _keras.Functional):
+        return ["its output"], model
+    names, tensors = [], []
+    for layer, _, outputs in _keras.functional_nodes(model):
+        for tensor in outputs:
+            if not isinstance(layer, _keras.InputLayer) and None in tuple(tensor.shape)[1:]:
+                names.append(f"layer {layer.name!r}")
+                tensors.append(tensor)
+    if not tensors:
+        return [], None
+    return names, _keras.Functional(_keras.nested_inputs_outputs(model)[0], tensors)
+
+
+def _shapes(model, function, x) -> list:
+    strategy = model.distribute_strategy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outputs = strategy.run(lambda x: function(x, training=False), args=(x,))
+    outputs = strategy.experimental_local_results(outputs)[0]
+    return [tuple(t.shape) for t in tf.nest.flatten(outputs)]
+
+
+def warn(model, x):
+    """Warns when `model`'s outputs follow the samples that share a batch.
+
+    Runs the model in inference mode on the batch's first sample and first
+    two, where an output's shape could differ; the caller puts back what
+    that changes.
+    """
+    reasons = [
+        f"layer {name!r} is a TextVectorization that pads each call to its longest text "
+        "(output_sequence_length=None)"
+        for name in _padding_to_the_batch(model)
+    ]
+    names, function = _probe(model)
+    if function is not None:
+        one, two = (_shapes(model, function, _loop.micro_slice(x, 0, n)) for n in (1, 2))
+        for name, a, b in zip(names, one, two, strict=False):
+            if a[1:] != b[1:]:
+                reasons.append(f"{name} gives {a} for one sample and {b} for two")
+    if reasons:
+        warnings.warn(
+            "AccumulatingModel runs each micro-batch as a batch of its own, and this "
+            f"model's outputs follow the batch they are computed on: {'; '.join(reasons)}. "
+            "Each micro-batch is then shaped by its own samples, not the whole batch's, "
+            "and unless a mask makes the difference count for nothing, the update "
+            "differs from plain Keras's on the whole batch. Fix the length (for "
+            "TextVectorization, `output_sequence_length=...`), or pad in the input "
+            "pipeline.",
+            UserWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,110 @@
+"""Layer state that plain Keras advances once per batch, kept so over micro-batches.
+
+Some layers change variables in every training call; a step of micro-batches
+would advance them once per micro-batch. Two kinds, both tfmot's, are kept to
+one advance per update:
+
+- counters: the pruning wrappers' `pruning_step`, which counts updates. Every
+  micro-batch starts from the step's values, so the step ends where one call
+  on the whole batch ends.
+- ranges: quantization-aware training's `<name>_min` and `<name>_max`
+  variables (a moving average of each batch's minimum and maximum, the
+  weights' own, or the lowest and highest seen). Every micro-batch starts
+  from the step's values, and the step ends with the lowest minimum and the
+  highest maximum the micro-batches left. Each range's update is monotonic in
+  the batch's extreme, so these are the values the whole batch's minimum and
+  maximum give, to the bit. What a micro-batch's forward pass quantizes with
+  is its own update of the ranges (plain QAT: the whole batch's).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+_TFMOT = "tensorflow_model_optimization"
+
+
+def _layers(model):
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
+def counters(model) -> list:
+    """The tfmot pruning wrappers' `pruning_step` variables of `model`."""
+    found = []
+    for layer in _layers(model):
+        counter = getattr(layer, "pruning_step", None)
+        if isinstance(counter, tf.Variable):
+            found.append(counter)
+    return found
+
+
+def ranges(model) -> tuple[list, list]:
+    """`(minimums, maximums)`: the range variables of tfmot's quantization layers."""
+    minimums, maximums, seen = [], [], set()
+    for layer in _layers(model):
+        if not type(layer).__module__.startswith(_TFMOT):
+            continue
+        for variable in layer.non_trainable_weights:
+            name = variable.name.split(":")[0]
+            if id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            if name.endswith("_min"):
+                minimums.append(variable)
+            elif name.endswith("_max"):
+                maximums.append(variable)
+    return minimums, maximums
+
+
+class PerUpdate:
+    """The counters and ranges of a model, in one train step of micro-batches.
+
+    `starts()` before the loop; in each micro-batch, its forward pass under
+    `tf.control_dependencies(restart(starts))` and `extremes()` among its
+    outputs, summed with `reductions()`; `finish(extremes)` after the loop.
+
+    Raises:
+        NotImplementedError: for any of them under a distribution strategy:
+            tfmot's layers synchronise the replicas (`merge_call`) in every
+            training call, which TensorFlow does not allow inside the loop.
+    """
+
+    def __init__(self, model):
+        self.counters = counters(model)
+        self.minimums, self.maximums = ranges(model)
+        self.variables = [*self.counters, *self.minimums, *self.maximums]
+        in_replica = tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+        if self.variables and in_replica:
+            raise NotImplementedError(
+                "An AccumulatingModel with tfmot pruning or quantization layers cannot "
+                "train under a distribution strategy: the layers synchronise the "
+                "replicas (`merge_call`) in every training call, which TensorFlow does "
+                "not allow inside the loop over micro-batches. Train it without a "
+                "strategy, or prune or quantize a plain `keras.Model`. Received: "
+                f"strategy={type(tf.distribute.get_strategy()).__name__}"
+            )
+
+    def __bool__(self):
+        return bool(self.variables)
+
+    def starts(self) -> list:
+        return [variable.read_value() for variable in self.variables]
+
+    def restart(self, starts) -> list:
+        return [v.assign(s) for v, s in zip(self.variables, starts, strict=True)]
+
+    def extremes(self) -> tuple[list, list]:
+        """The ranges as the micro-batch's forward pass left them."""
+        return (
+            [v.read_value() for v in self.minimums],
+            [v.read_value() for v in self.maximums],
+        )
+
+    def reductions(self) -> tuple[list, list]:
+        """How `_loop.accumulate` folds `extremes()` over the micro-batches."""
+        return ["min"] * len(self.minimums), ["max"] * len(self.maximums)
+
+    def finish(self, extremes) -> list:
+        minimums, maximums = extremes
+        pairs = zip([*self.minimums, *self.maximums], [*minimums, *maximums], strict=True)
+        return [variable.assign(value) for variable, value in pairs]

@@ -1,0 +1,81 @@
+"""Quantization-aware training of an `AccumulatingModel` with tensorflow-model-optimization.
+
+As for pruning (`keras_memopt.pruning`), tfmot works only with tf_keras
+(`TF_USE_LEGACY_KERAS=1` before TensorFlow is imported, and the `tfmot`
+extra). tfmot's own `quantize_model` clones a model into a plain functional
+one, which would train without micro-batches; `quantize_model` here returns
+an `AccumulatingModel` with the same settings. A model quantized with tfmot
+first trains in micro-batches as well: `AccumulatingModel.from_model(
+tfmot.quantization.keras.quantize_model(base), micro_batch_size=...)`.
+
+What a step of micro-batches does with the quantizers' ranges (the
+`<name>_min` and `<name>_max` variables tfmot adds): each micro-batch starts
+from the ranges the step started with and quantizes with its own update of
+them; the step ends with the ranges the whole batch's minimum and maximum
+give, so the ranges advance once per update, as in plain QAT. With a single
+micro-batch per batch, training is plain QAT's; with several, each
+micro-batch's forward pass quantizes with a range updated from its own
+values, not the whole batch's (like BatchNormalization's statistics).
+
+Example:
+
+```python
+# TF_USE_LEGACY_KERAS=1 must be set before TensorFlow is imported.
+import keras_memopt as kmo
+
+model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=32)
+quantized = kmo.quantization.quantize_model(model)  # an AccumulatingModel
+quantized.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+quantized.fit(x, y, batch_size=256, epochs=4)
+```
+"""
+
+from __future__ import annotations
+
+from keras_memopt import _per_update, _tfmot
+from keras_memopt.models import AccumulatingModel
+
+__all__ = ["quantize_model", "range_variables"]
+
+_FEATURE = "Quantization-aware training"
+
+
+def quantize_model(model):
+    """Makes a model quantization-aware (tfmot's `quantize_model`).
+
+    Calls `tfmot.quantization.keras.quantize_model`; an `AccumulatingModel`
+    comes back as an `AccumulatingModel` with the same `micro_batch_size`,
+    `accumulation_steps` and `remat` (tfmot alone returns a plain functional
+    model, which would train without micro-batches).
+
+    Args:
+        model: a functional or `Sequential` tf_keras model (an
+            `AccumulatingModel` or not).
+
+    Returns:
+        The quantization-aware model.
+
+    Example:
+
+    ```python
+    quantized = kmo.quantization.quantize_model(model)
+    ```
+
+    Raises:
+        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot
+            does not work.
+        ImportError: if tensorflow-model-optimization is not installed.
+        TypeError: if `model` is not a tf_keras model (a Keras 3 one, say).
+    """
+    quantization = _tfmot.tfmot(_FEATURE).quantization.keras
+    _tfmot.check_model(model)
+    return _tfmot.rewrap(model, quantization.quantize_model(model), AccumulatingModel)
+
+
+def range_variables(model) -> tuple[list, list]:
+    """The quantizers' range variables of `model`: `(minimums, maximums)`.
+
+    An `AccumulatingModel` ends each step with these at the values the whole
+    batch's minimum and maximum give, as plain QAT does.
+    """
+    return _per_update.ranges(model)
