@@ -70,6 +70,7 @@ def float64():
 class Run:
     """What one training of a case left: every figure to compare."""
 
+    initial: list  # the weights it started from
     variables: dict
     iterations: int
     history: dict
@@ -87,11 +88,12 @@ def _first_rows(x, count=2):
 
 
 def train(spec, accumulating: bool, initial=None) -> Run:
-    """Fits the case's model one way; returns what it left."""
+    """Fits the case's model one way, from `initial` weights where given; returns what it left."""
     x, y, fit_kwargs = make_data(spec)
     model = build_model(spec, accumulating, _first_rows(x))
     if initial is not None:
         model.set_weights(initial)
+    initial = model.get_weights()
     optimizer = make_optimizer(spec)
     if not accumulating:
         optimizer = dense_gradients(optimizer)
@@ -108,6 +110,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         )
         predictions = model.predict(x, batch_size=spec.batch_size, verbose=0)
     return Run(
+        initial=initial,
         variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
         iterations=int(model.optimizer.iterations.numpy()),
         history=dict(history.history),
@@ -118,11 +121,6 @@ def train(spec, accumulating: bool, initial=None) -> Run:
 
 def _name(variable, index):
     return f"{index}:{getattr(variable, 'path', None) or variable.name}"
-
-
-def initial_weights(spec):
-    x, _, _ = make_data(spec)
-    return build_model(spec, False, _first_rows(x)).get_weights()
 
 
 # -- the comparison ------------------------------------------------------------------
@@ -209,13 +207,12 @@ def run(spec: Spec) -> Result:
     with float64():
         keras.backend.clear_session()
         try:
-            initial = initial_weights(spec)
-            expected = train(spec, accumulating=False, initial=initial)
+            expected = train(spec, accumulating=False)
         except Exception as error:  # noqa: BLE001 - reported: the generator's to mend
             seconds = time.perf_counter() - started
             return Result(spec, float("inf"), {}, None, seconds, invalid=_summary(error))
         try:
-            received = train(spec, accumulating=True, initial=initial)
+            received = train(spec, accumulating=True, initial=expected.initial)
         except Exception as error:  # noqa: BLE001 - a case's failure, reported
             return Result(spec, float("inf"), {}, _summary(error), time.perf_counter() - started)
     errors = differences(expected, received)
