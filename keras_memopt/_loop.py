@@ -17,8 +17,7 @@ How the loop is built, and why:
 
 - `fn` is traced once for any micro-batch (the batch axis unknown) before
   the loop is built, so that the loop's accumulators can take the form of
-  `fn`'s outputs (dense, sparse, None) and the caller can read what the trace
-  found (whether the outputs carry masks) before building the loop.
+  `fn`'s outputs (dense, sparse, None).
 - The first micro-batch's outputs start the sums: there is no
   `tf.zeros(variable.shape)` for the graph optimiser to fold into a
   model-sized constant that lives as long as the step function.
@@ -239,7 +238,7 @@ class _RunningSum:
         return tf.ensure_shape(tf.cast(state[0], self.spec.dtype), self.spec.shape)
 
 
-def accumulate(fn, data, size, *args, jit_compile=False, traced=None, reductions=None):
+def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
     """Runs `fn(micro_batch, *args)` over `data` in micro-batches of `size`; sums its outputs.
 
     Args:
@@ -251,8 +250,6 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None, reductions
         *args: tensors passed to every call of `fn` as they are.
         jit_compile: whether `fn` is compiled with XLA (each micro-batch
             shape compiles once; the loop itself never is).
-        traced: what `micro_function(fn, data, *args)` returned, when the
-            caller traced it already (to read its outputs' structure first).
         reductions: a nest like `fn`'s outputs of "sum", "min" or "max": how
             each dense output folds over the micro-batches. Defaults to None
             (every output summed).
@@ -262,7 +259,7 @@ def accumulate(fn, data, size, *args, jit_compile=False, traced=None, reductions
         micro-batches (see the module docstring), in `fn`'s structure and
         dtypes.
     """
-    function, specs = traced or micro_function(fn, data, *args, jit_compile=jit_compile)
+    function, specs = micro_function(fn, data, *args, jit_compile=jit_compile)
     batch_size = batch_size_of(data)
     size = tf.cast(size, batch_size.dtype)
     count = (batch_size + size - 1) // size

@@ -42,10 +42,21 @@ _PROBE_RTOL = 1e-4
 @dataclasses.dataclass(frozen=True)
 class LossForm:
     """What `check` found: one kind per term of `model.losses`, one
-    `ignore_class` (or None) per flat output."""
+    `ignore_class` (or None) per flat output, and whether an output carries a
+    mask (Keras then divides its loss by the unmasked elements)."""
 
     terms: tuple[str, ...] = ()
     ignore_classes: tuple = ()
+    masked: bool = False
+
+    @property
+    def counted_by(self) -> str | None:
+        """What the batch's counts need, known before the loop: "outputs" (a
+        forward pass: an output carries a mask), "targets" (an ignored class
+        only), or None (Keras counts samples)."""
+        if self.masked:
+            return "outputs"
+        return "targets" if any(c is not None for c in self.ignore_classes) else None
 
 
 def overrides(model, name) -> bool:
@@ -105,7 +116,7 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
                 f"does not. Received: model.losses[{index}]"
             )
         terms.append(kind)
-    return LossForm(tuple(terms), ignore_classes(model))
+    return LossForm(tuple(terms), ignore_classes(model), masked=bool(once[-1]))
 
 
 def _coupled_message(model, once, twice):
@@ -131,8 +142,8 @@ _NEGLIGIBLE = 1e-6
 
 def _terms(values):
     """`(value, gradient norm)` of each term of `model.losses` in a probe's values."""
-    count = (len(values) - 2) // 2
-    return list(zip(values[2 : 2 + count], values[2 + count :], strict=True))
+    count = (len(values) - 3) // 2
+    return list(zip(values[2 : 2 + count], values[2 + count : -1], strict=True))
 
 
 def _term_kind(once, again, doubled):
@@ -163,7 +174,8 @@ def _probe(model, data):
 
 def _evaluate(model, x, y):
     """[loss of the outputs, the same on them repeated (NaN: none), each term of
-    `model.losses`, each term's gradient norm] on one batch."""
+    `model.losses`, each term's gradient norm, 1 if an output carries a mask]
+    on one batch."""
     variables = model.trainable_variables
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
@@ -180,7 +192,9 @@ def _evaluate(model, x, y):
     elif y is not None and has_compiled_loss(model):
         once = _keras.compiled_loss(model, y, y_pred, None, [])
         twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
-    return tf.stack([tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms, *norms])
+    masked = any(_keras.get_mask(t) is not None for t in tf.nest.flatten(y_pred))
+    values = [tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms, *norms]
+    return tf.stack([*values, tf.constant(float(masked))])
 
 
 def _norm(gradients) -> tf.Tensor:

@@ -90,28 +90,23 @@ class LossSplit:
             masks[index] = kept
         return masks
 
-    def counted_by(self, y, y_pred) -> str | None:
-        """What the batch's counts need: "outputs" (a forward pass: an output
-        carries a mask), "targets" (an ignored class only), or None (samples)."""
-        if any(mask is not None for mask in output_masks(y_pred)):
-            return "outputs"
-        if any(mask is not None for mask in self.divisor_masks(y, None)):
-            return "targets"
-        return None
-
     def batch_counts(self, forward, data, size, jit_compile=False):
         """What Keras divides each output's loss by, over the whole batch (0: samples).
 
-        Run micro-batch by micro-batch before the loop, with a forward pass
-        in inference mode when an output carries a mask; from the whole
-        batch's targets at once when only an ignored class counts.
+        As `form.counted_by` says: nothing to count (Keras counts samples);
+        from the whole batch's targets at once when only an ignored class
+        counts; run micro-batch by micro-batch before the loop, with
+        `forward` in inference mode, when an output carries a mask.
         """
-        if forward is None:
+        counted_by = (self.form or LossForm()).counted_by
+        if counted_by is None:
+            return no_counts()
+        if counted_by == "targets":
             return _counts(self.divisor_masks(data[1], None))
 
         def count(micro):
             x, y, _ = micro
-            y_pred = forward(x, training=False) if forward is not None else None
+            y_pred = forward(x, training=False)
             return _counts(self.divisor_masks(y, y_pred))
 
         return _loop.accumulate(count, data, size, jit_compile=jit_compile)

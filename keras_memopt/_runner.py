@@ -68,7 +68,8 @@ class StepRunner:
         self._snapshot = _rollback.Snapshot(lambda: state(model), model.distribute_strategy)
 
     def reset(self):
-        """Forgets the traced step: the next step traces it again."""
+        """Forgets the traced step: the next step prepares and traces it again."""
+        self._prepared = False
         self._one_worker = self._several_workers = None
         self.model._update_guard.forget()
 

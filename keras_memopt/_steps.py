@@ -111,15 +111,14 @@ class MicroBatchSteps:
         self._build_before_loop(x)
         return x, y, sample_weight
 
-    def _micro_batch_pass(self, micro_step, data, batch_size, counted_by, reductions=None):
+    def _micro_batch_pass(self, micro_step, data, batch_size, reductions=None):
         """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
         The pass `train_step` and `test_step` share. `micro_step` returns the
-        micro-batch's share of the loss first, and appends to `counted_by` what
-        Keras's counts need (`LossSplit.counted_by`, known once it is traced,
-        before the loop is built). `counts` are what Keras divides each
-        output's loss by, over the whole batch: counted in a first pass when an
-        output carries a mask or its loss ignores a class (see
+        micro-batch's share of the loss first. `counts` are what Keras divides
+        each output's loss by, over the whole batch: counted before the loop
+        where the first step's check found an output with a mask or a loss
+        that ignores a class (`LossForm.counted_by`, see
         `keras_memopt._losses`). `reductions` as for `_loop.accumulate`.
         Returns the summed outputs and the scale that turns this replica's
         loss into its mean.
@@ -127,14 +126,10 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of(data)
         size = self._setting.size_tensor(replica_batch)
         jit = self._micro_batch_jit_compile
-        counts = _losses.no_counts()
-        traced = _loop.micro_function(micro_step, data, counts, jit_compile=jit)
+        counts = self._loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
         trackers = _losses.OutputLossTrackers(self)
-        if counted_by[-1] is not None:
-            forward = self._forward if counted_by[-1] == "outputs" else None
-            counts = self._loss_split.batch_counts(forward, data, size, jit_compile=jit)
         outputs = _loop.accumulate(
-            micro_step, data, size, counts, traced=traced, reductions=reductions
+            micro_step, data, size, counts, jit_compile=jit, reductions=reductions
         )
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
@@ -160,14 +155,12 @@ class MicroBatchSteps:
         variables = self.trainable_variables
         per_update = _per_update.PerUpdate(self)  # tfmot's: advanced once per update
         starts = per_update.starts()
-        counted_by = []
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             restarts = per_update.restart(starts)
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
                 y_pred = self._forward(micro_x, training=True)
-                counted_by.append(self._loss_split.counted_by(micro_y, y_pred))
                 loss = self._loss_split.micro_batch_loss(
                     micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=True
                 )
@@ -178,7 +171,7 @@ class MicroBatchSteps:
 
         reductions = ("sum", ["sum"] * len(variables), per_update.reductions())
         (loss, gradients, extremes), scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, counted_by, reductions
+            micro_step, (x, y, sample_weight), batch_size, reductions
         )
         per_update.finish(extremes)
         return loss * tf.cast(scale, loss.dtype), replica_batch, gradients
@@ -240,21 +233,17 @@ class MicroBatchSteps:
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
-        counted_by = []
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             y_pred = self._forward(micro_x, training=False)
-            counted_by.append(self._loss_split.counted_by(micro_y, y_pred))
             loss = self._loss_split.micro_batch_loss(
                 micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return _loop.widened(loss)
 
-        loss, scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, counted_by
-        )
+        loss, scale = self._micro_batch_pass(micro_step, (x, y, sample_weight), batch_size)
         return loss * tf.cast(scale, loss.dtype), replica_batch
 
     def _test_logs(self, loss, batch_size):
