@@ -57,13 +57,19 @@ EPOCHS = 2
 
 @contextlib.contextmanager
 def float64():
-    """Keras's default float type is float64 inside (layers, losses, metrics)."""
-    before = keras.backend.floatx()
+    """Keras's default float type is float64 inside (layers, losses, metrics).
+
+    The global dtype policy is set too: once a test has set one (float32 after
+    a mixed-precision test), layers follow it, not `floatx`.
+    """
+    before = keras.backend.floatx(), keras.mixed_precision.global_policy().name
     keras.backend.set_floatx("float64")
+    keras.mixed_precision.set_global_policy("float64")
     try:
         yield
     finally:
-        keras.backend.set_floatx(before)
+        keras.backend.set_floatx(before[0])
+        keras.mixed_precision.set_global_policy(before[1])
 
 
 @dataclasses.dataclass
