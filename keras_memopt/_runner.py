@@ -206,12 +206,12 @@ class StepRunner:
                         "need was free: the weights and optimizer variables may be partly "
                         "updated; restore them from a checkpoint."
                     ))
-                ) from error
+                )
             host.restore()
         self._snapshot.restore(taken)
         del taken, host
         if status == StepStatus.FAILED:
-            if error is not None and not _oom_errors.is_oom(error):
+            if isinstance(error, BaseException):  # this worker's own, not out of memory
                 raise error
             raise tf.errors.AbortedError(
                 None, None,
@@ -220,8 +220,8 @@ class StepRunner:
                 "model as it was before the step.",
             )
         if error is None:
-            error = tf.errors.ResourceExhaustedError(
-                None, None, "OOM on another worker: every worker retries the step."
+            error = _oom_errors.ErrorText(
+                "ResourceExhaustedError", "OOM on another worker: every worker retries the step."
             )
         return None, _oom_errors.OutOfMemory(
             kind=self.kind,
@@ -238,8 +238,10 @@ class StepRunner:
     def _run_once(coordinator, data, spec):
         """`(status, error, outputs, seconds)` of this worker's part of the step.
 
-        An error other than out of memory is raised at once on one worker;
-        under several, the others must learn of it first.
+        An out-of-memory error comes back as its text (`_oom_errors.ErrorText`),
+        its tracebacks dropped: their frames would keep the failed attempt's
+        batch allocated. Another error is raised at once on one worker; under
+        several, the others must learn of it first, and it comes back as it is.
         """
         started = time.perf_counter()
         try:
@@ -248,8 +250,11 @@ class StepRunner:
             oom = _oom_errors.is_oom(error)
             if not oom and not isinstance(coordinator, _coordinator.SeveralWorkers):
                 raise
-            status = StepStatus.OUT_OF_MEMORY if oom else StepStatus.FAILED
-            return status, error, None, time.perf_counter() - started
+            if not oom:
+                return StepStatus.FAILED, error, None, time.perf_counter() - started
+            _oom_errors.drop_tracebacks(error)
+            text = _oom_errors.ErrorText.of(error)
+            return StepStatus.OUT_OF_MEMORY, text, None, time.perf_counter() - started
         return StepStatus.OK, None, outputs, time.perf_counter() - started
 
     def _phase_of(self, error):
