@@ -61,6 +61,8 @@ class StepRunner:
         self._one_worker = None
         self._several_workers = None
         self._prepared = False
+        self._search = None  # micro_batch_size="auto", until its run of steps ends
+        self._peaks = {}  # device -> the allocator's peak in the last attempt that ran
         self._size_file = supervise.SizeFile()
         # What a failed attempt must put back: the loop's state for the
         # model's own step (its update is guarded), everything for a custom one.
@@ -106,9 +108,9 @@ class StepRunner:
             spec = None  # the parts' shapes are not the iterator's
         if not self._prepared:
             self._prepare(data)
-        search = None
         if model.micro_batch_size == "auto":
-            search = AutoSearch(model, static_replica_batch(data))
+            self._search = AutoSearch(model, static_replica_batch(data))
+        search = self._search
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
             model._update_guard.disarm()
@@ -117,8 +119,8 @@ class StepRunner:
             return coordinator.finish(coordinator.run(data, spec))
         outputs = self._with_retries(data, spec, policy)
         size = self._in_use(data)
-        if search is not None:
-            search.chose(size)
+        if search is not None and search.stepped(static_replica_batch(data), self._peaks):
+            self._search = None
         if self.kind == "train":
             policy.trained(size)
         return outputs
@@ -193,6 +195,16 @@ class StepRunner:
         status = coordinator.agree(status)
         if status == StepStatus.OK:
             outputs = coordinator.finish(outputs)
+            # The step's peak: the loop's and the update's, where the guard
+            # measured the update in a window of its own.
+            self._peaks = {
+                device: max(
+                    (p for p in (model._update_guard.loop_peak(device), memory.step_peak(device))
+                     if p is not None),
+                    default=None,
+                )
+                for device in devices
+            }
             if self._guarded():
                 model._update_guard.learn(size)
             return outputs, None

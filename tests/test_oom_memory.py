@@ -8,6 +8,8 @@ TensorFlow's own (about 10 s each to surface):
   no backoff holds, and backs off only in its first epoch (the failed
   attempt's exception kept nothing; Keras's cached validation arrays do not
   shrink the later epochs' memory);
+- `micro_batch_size="auto"` chooses a size that trains on without an
+  out-of-memory error, with the margin it measured free;
 """
 
 import gc
@@ -130,6 +132,66 @@ def test_a_fit_that_backed_off_holds_no_more_and_backs_off_in_its_first_epoch(tm
         for name in a.files:
             np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
 
+
+# -- micro_batch_size="auto" keeps headroom --------------------------------------------
+
+# 4 x Dense(512) on batches of 2048 samples made on the device, eight an epoch,
+# TensorFlow's default threading (its executor runs a step's ops in an order
+# that varies from step to step, and so does the step's peak). Under 40 MiB
+# one micro-batch of 2048 runs out of memory; 1024 peaks at about 37 MiB.
+AUTO = """
+import json
+import tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+N, D, STEPS, EPOCHS = 2048, 256, 8, 5
+
+
+def batch(step):
+    x = tf.random.stateless_uniform((N, D), (0, step))
+    return x, tf.random.stateless_uniform((N,), (1, step), maxval=10, dtype=tf.int32)
+
+
+class AfterTheSearch(keras.callbacks.Callback):
+    # The micro-batch size of each step that ran once the search had ended.
+    def on_train_begin(self, logs=None):
+        self.sizes = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        search = getattr(self.model, "micro_batch_search", None)
+        if search and search["margin"] is not None:
+            self.sizes.append(self.model.micro_batch_size)
+
+
+options = tf.data.Options()
+options.experimental_optimization.inject_prefetch = False
+train = tf.data.Dataset.range(STEPS).map(batch).with_options(options)
+keras.utils.set_random_seed(0)
+inputs = keras.Input((D,))
+hidden = inputs
+for _ in range(4):
+    hidden = keras.layers.Dense(512, activation="relu")(hidden)
+model = AccumulatingModel(inputs, keras.layers.Dense(10)(hidden), micro_batch_size="auto")
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              jit_compile=False)
+after = AfterTheSearch()
+# No OOMBackoff: an out-of-memory error after the search would end `fit`.
+model.fit(train, epochs=EPOCHS, verbose=0, shuffle=False, callbacks=[after])
+print(json.dumps(dict(search=model.micro_batch_search, after=after.sizes)))
+"""
+
+
+@pytest.mark.slow
+def test_auto_chooses_a_size_that_trains_on_with_the_margin_it_measured():
+    (figures,) = _children([(AUTO,)], memory_limit_mb=40)
+    search, after = figures["search"], figures["after"]
+    assert search["out_of_memory_trials"][:1] == [2048], search  # the whole batch does not fit
+    # Kept free: how far the highest of its steps' peaks rose above their median.
+    assert search["steps"] == 10 and search["margin"] >= 0, search
+    assert search["highest_peak"] + search["margin"] <= 40 * MIB, search
+    # Twenty steps and more after the search, at the size it chose, none out of memory.
+    assert len(after) >= 20 and set(after) == {search["micro_batch_size"]}, figures
 
 class StepStarts(keras.callbacks.Callback):
     """The allocator's bytes in use at the start of each training step, per epoch."""
