@@ -10,6 +10,8 @@ TensorFlow's own (about 10 s each to surface):
   shrink the later epochs' memory);
 - `micro_batch_size="auto"` chooses a size that trains on without an
   out-of-memory error, with the margin it measured free;
+- two models on one device, each with its own `OOMBackoff`, trained in
+  turns: each backs off alone and ends as a clean run of its own sizes.
 """
 
 import gc
@@ -192,6 +194,102 @@ def test_auto_chooses_a_size_that_trains_on_with_the_margin_it_measured():
     assert search["highest_peak"] + search["margin"] <= 40 * MIB, search
     # Twenty steps and more after the search, at the size it chose, none out of memory.
     assert len(after) >= 20 and set(after) == {search["micro_batch_size"]}, figures
+
+# -- two models on one device ----------------------------------------------------------
+
+# Two MLPs, each an AccumulatingModel with its own OOMBackoff, trained in turns
+# (one epoch of three batches each, twice) in one process under one 52 MiB
+# limit. Alone at its whole batch, each would need more than the limit less
+# the other's weights, optimizer state and data: each backs off once, in its
+# own first `fit`. "replay" trains both without a limit, each at the sizes the
+# first run recorded for its steps.
+TWO_MODELS = """
+import json, sys
+import numpy as np, tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+from keras_memopt.callbacks import OOMBackoff
+
+mode, path = sys.argv[1], sys.argv[2]
+SHAPES = {"deep": (2048, 256, 4), "wide": (4096, 64, 3)}  # batch, features, Dense(512)s
+
+
+def data(name):
+    batch, features, _ = SHAPES[name]
+    x = tf.random.stateless_uniform((3 * batch, features), (0, len(name)))
+    return x, tf.random.stateless_uniform((3 * batch,), (1, len(name)), maxval=10, dtype=tf.int32)
+
+
+def build(name):
+    batch, features, layers = SHAPES[name]
+    keras.utils.set_random_seed(len(name))
+    inputs = keras.Input((features,))
+    hidden = inputs
+    for _ in range(layers):
+        hidden = keras.layers.Dense(512, activation="relu")(hidden)
+    model = AccumulatingModel(inputs, keras.layers.Dense(10)(hidden), micro_batch_size=batch,
+                              name=name)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    model.optimizer.build(model.trainable_variables)  # as the guide says
+    return model
+
+
+class Sizes(keras.callbacks.Callback):
+    # Records the micro-batch size of each step, or sets it from a record.
+    def __init__(self, replay=None):
+        super().__init__()
+        self.replay, self.sizes = replay, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.replay is not None:
+            self.model.micro_batch_size = self.replay[len(self.sizes)]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.sizes.append(self.model.micro_batch_size)
+
+
+names = list(SHAPES)
+datasets = {name: data(name) for name in names}
+models = {name: build(name) for name in names}
+replay = json.load(open(path + ".json")) if mode == "replay" else None
+record = {name: Sizes(replay and replay["sizes"][name]) for name in names}
+backoffs = {name: OOMBackoff(factor=0.25, verbose=0) for name in names}
+turns = []
+for epoch in range(2):
+    for name in names:
+        other = names[1 - names.index(name)]
+        before = models[other].micro_batch_size
+        callbacks = [record[name]] + ([backoffs[name]] if mode == "limited" else [])
+        models[name].fit(*datasets[name], batch_size=SHAPES[name][0], initial_epoch=epoch,
+                         epochs=epoch + 1, shuffle=False, verbose=0, callbacks=callbacks)
+        turns.append(dict(model=name, failed=[b["failed_micro_batch_size"]
+                                               for b in backoffs[name].backoffs],
+                          other_before=before, other_after=models[other].micro_batch_size))
+np.savez(path + "." + mode + ".npz",
+         **{f"{name}_{i}": w for name in names for i, w in enumerate(models[name].get_weights())})
+result = dict(sizes={name: record[name].sizes for name in names}, turns=turns)
+if mode == "limited":
+    json.dump(result, open(path + ".json", "w"))
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_two_models_on_one_device_back_off_alone_and_train_as_their_clean_runs(tmp_path):
+    path = str(tmp_path / "two")
+    (limited,) = _children([(TWO_MODELS, "limited", path)], memory_limit_mb=52)
+    (replayed,) = _children([(TWO_MODELS, "replay", path)], memory_limit_mb=None)
+    turns = limited["turns"]
+    # Each backed off once, in its own first fit, and only its own micro-batch.
+    assert [turn["failed"] for turn in turns] == [[2048], [4096], [], []], turns
+    assert all(turn["other_before"] == turn["other_after"] for turn in turns), turns
+    assert limited["sizes"] == {"deep": [512] * 6, "wide": [1024] * 6}, limited["sizes"]
+    assert replayed["sizes"] == limited["sizes"]
+    with np.load(path + ".limited.npz") as a, np.load(path + ".replay.npz") as b:
+        assert sorted(a.files) == sorted(b.files) and len(a.files) == 18
+        for name in a.files:
+            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
 
 class StepStarts(keras.callbacks.Callback):
     """The allocator's bytes in use at the start of each training step, per epoch."""
