@@ -99,3 +99,81 @@ def test_a_step_holds_at_most_the_gradient_sum_more_than_plain_keras():
         assert min(lowest.values()) >= 1.0, (optimizer, peaks)
         for kind in ("accumulating", "backoff"):
             assert lowest[kind] - lowest["plain"] <= BOUND, (optimizer, kind, peaks)
+
+
+# What stays allocated between epochs: an Embedding and Adam, whose table is
+# 8 MiB (a power of two: TensorFlow's BFC allocator grows its regions in powers
+# of two and hands a variable a whole region of less than twice its size, so
+# other sizes add that rounding; see docs/memory.md).
+BETWEEN = """
+import gc, json
+import numpy as np, tensorflow as tf
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras, optimizer_variables
+from keras_memopt.callbacks import OOMBackoff
+
+VOCAB, WIDTH, TOKENS, BATCH = 16384, 128, 16, 256
+rng = np.random.RandomState(0)
+x = rng.randint(0, VOCAB, (4 * BATCH, TOKENS)).astype("int32")
+y = rng.randint(0, 10, 4 * BATCH)
+
+
+def in_use():
+    gc.collect()
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+
+class BetweenEpochs(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.held = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.held.append(in_use())
+
+
+def beyond_the_variables(kind):
+    # Bytes in use at each epoch's end, and once the step functions are dropped,
+    # above what was in use before the model and beside its variables, in W.
+    before = in_use()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCAB, WIDTH)(inputs))
+    outputs = keras.layers.Dense(10)(hidden)
+    if kind == "plain":
+        model = keras.Model(inputs, outputs)
+    else:
+        model = AccumulatingModel(inputs, outputs, micro_batch_size=64)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    between = BetweenEpochs()
+    callbacks = [between] + ([OOMBackoff(verbose=0)] if kind == "backoff" else [])
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+    variables = {id(v): v for v in model.variables + list(optimizer_variables(model.optimizer))}
+    size = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables.values())
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    epochs = [(held - before - size) / weights for held in between.held]
+    after = (in_use() - before - size) / weights
+    model.train_function = model.test_function = model.predict_function = None
+    return dict(epochs=epochs, after=after, variables=size / weights,
+                without_step_functions=(in_use() - before - size) / weights)
+
+
+print(json.dumps({kind: beyond_the_variables(kind)
+                  for kind in ("plain", "accumulating", "backoff")}))
+"""
+
+
+def test_between_epochs_the_step_functions_keep_nothing_alive():
+    """An Embedding and Adam hold their variables between epochs, and no more.
+
+    Beside the variables (3 W: the weights and Adam's two slots) only small
+    state stays: the micro-batch setting, metrics, the update guard. A tensor
+    a step function kept alive (a dense gradient of the table, a batch, a
+    folded constant) would show as a fraction of W or more.
+    """
+    figures = last_json(run_python(BETWEEN))
+    for kind in ("accumulating", "backoff"):
+        kept = figures[kind]
+        assert kept["variables"] == pytest.approx(3.0, abs=0.01), figures
+        assert max(kept["epochs"]) <= 0.05, (kind, figures)
+        # Dropping the step functions after `fit` frees nothing: they hold no tensor.
+        assert abs(kept["without_step_functions"] - kept["after"]) <= 0.002, (kind, figures)
