@@ -83,13 +83,8 @@ class BackoffPolicy:
             tf.errors.ResourceExhaustedError: where a smaller micro-batch
                 cannot help: naming the phase, the bytes and what to try.
         """
-        refusal = self._refusal(failure)
-        if refusal is not None:
-            phase, note = refusal
-            message = report(
-                failure.error, phase, failure.memory, failure.micro_batch_size,
-                self.min_micro_batch_size, note,
-            )
+        message = self.refusal(failure)
+        if message is not None:
             # Not raised from the error: its traceback would hold the failed
             # attempt's frames (the message gives its text).
             raise tf.errors.ResourceExhaustedError(None, None, message)
@@ -124,6 +119,21 @@ class BackoffPolicy:
                 f"micro_batch_size={current}{event['allocation']}; retrying the same "
                 f"batch with micro_batch_size={event['micro_batch_size']}."
             )
+
+    def refusal(self, failure: OutOfMemory) -> str | None:
+        """The report `back_off` would raise for `failure`, or None where it would back off.
+
+        Changes nothing: under several workers each asks before they agree,
+        so that all stop where one must.
+        """
+        refusal = self._refusal(failure)
+        if refusal is None:
+            return None
+        phase, note = refusal
+        return report(
+            failure.error, phase, failure.memory, failure.micro_batch_size,
+            self.min_micro_batch_size, note,
+        )
 
     def _refusal(self, failure):
         """`(phase, note)` to report instead of backing off, or None."""
