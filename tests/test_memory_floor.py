@@ -8,17 +8,22 @@ temporaries at once) shows here. Measured by TensorFlow's BFC allocator in a
 fresh process (its peaks are exact byte counts); `benchmarks/memory_floor.py`
 measures the same on larger models.
 
-Which of a step's ops TensorFlow's executor runs first varies from step to
-step (it times ops as it goes, and runs the ones it finds cheap at once): an
-Adam update holds one to three temporaries of a variable's size at a time.
-Inter-op threads are set to 1, which keeps the order steadier (plain Keras's
-own peak here varied by 0.01 to 0.13 W between steps, three processes), and
-each figure is the lowest of the steps, each configuration's best order: a
-copy that the package makes is there in every order. Measured above plain
-Keras: 0.65 to 0.75 W with Adam, 0.26 to 0.37 W with SGD (three processes);
-the rollback's copy of 0.1.0 put back measured 1.93 W. The weights are one large
-kernel and a small head, so that no order holds two large gradients of one
-micro-batch at once.
+The figure is each configuration's highest step peak over 8 steps, against
+plain Keras's highest: a step runs out of memory at its highest peak. Which
+of a step's ops TensorFlow's executor runs first varies from step to step
+(it times ops as it goes, and runs the ones it finds cheap at once), and so
+do the allocator's chunks (it hands out a free chunk less than twice a
+request whole): inter-op threads are set to 1, which keeps the order
+steadier. TensorFlow's profiler shows what is alive at the peaks (benchmark
+MLP, SGD with momentum, micro-batch 512): at the update's start the gradient
+sum and nothing else but the allocator's rounding of its chunks (1.15 W in
+chunks for 1.00 W asked), during SGD's update the sum left and one
+variable's temporaries (1.31 W); the step's highest peak is the loop's (the
+sum, one micro-batch's activations and gradients: 2.07 W asked, 2.38 W in
+chunks). Measured above plain Keras's highest here: +0.21 to +0.88 W with
+Adam, -1.18 to +0.41 W with SGD (both Keras lines); the rollback's copy of
+0.1.0 put back measured 1.93 W. The weights are one large kernel and a small
+head, so that no order holds two large gradients of one micro-batch at once.
 """
 
 
@@ -39,7 +44,7 @@ from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 from keras_memopt.memory import MemoryReader
 
-MICRO, BATCH, STEPS = 32, 128, 6
+MICRO, BATCH, STEPS = 32, 128, 9
 
 
 class StepPeaks(keras.callbacks.Callback):
@@ -94,11 +99,12 @@ def test_a_step_holds_at_most_the_gradient_sum_more_than_plain_keras():
     output = run_python(FLOOR)
     peaks = last_json(output)
     for optimizer, figures in peaks.items():
-        lowest = {kind: min(steps) for kind, steps in figures.items()}
+        assert {len(steps) for steps in figures.values()} == {8}, peaks
         # Not vacuous: every step held its gradients, at least.
-        assert min(lowest.values()) >= 1.0, (optimizer, peaks)
+        assert min(min(steps) for steps in figures.values()) >= 1.0, (optimizer, peaks)
+        highest = {kind: max(steps) for kind, steps in figures.items()}
         for kind in ("accumulating", "backoff"):
-            assert lowest[kind] - lowest["plain"] <= BOUND, (optimizer, kind, peaks)
+            assert highest[kind] - highest["plain"] <= BOUND, (optimizer, kind, peaks)
 
 
 # What stays allocated between epochs: an Embedding and Adam, whose table is
