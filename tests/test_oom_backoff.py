@@ -717,16 +717,9 @@ def test_real_oom_backs_off_to_the_result_of_a_run_started_there():
     assert figures["seen"] == [2.0]  # every sample once per epoch, the retry included
 
 
-REAL_EVALUATE_REPORT_AUTO = REAL_PRELUDE + """
+# micro_batch_size="auto" under a real limit: tests/test_oom_memory.py.
+REAL_EVALUATE = REAL_PRELUDE + """
 out = {}
-# micro_batch_size="auto": the largest size that runs, found with real steps.
-model = build("auto")
-fit(model, [OOMBackoff(factor=0.25, verbose=0)])
-out["auto"] = model.micro_batch_search
-out["auto_seen"] = sorted(set(model.layers[1].seen.numpy().tolist()))
-out["auto_iterations"] = int(model.optimizer.iterations.numpy())
-del model
-
 # evaluate: 4 x 4096 samples in one micro-batch do not fit; a quarter does.
 big_x, big_y = np.concatenate([x] * 4), np.concatenate([y] * 4)
 model = build(4 * N)
@@ -743,15 +736,10 @@ print(json.dumps(out))
 """
 
 @pytest.mark.slow
-def test_real_oom_in_evaluate_and_with_auto():
-    figures, stdout = _real(REAL_EVALUATE_REPORT_AUTO)
+def test_real_oom_in_evaluate():
+    figures, stdout = _real(REAL_EVALUATE)
     assert figures["evaluate_backoffs"] == [4 * 4096], stdout
     assert figures["evaluate_difference"] <= 1e-5
-
-    assert figures["auto"]["micro_batch_size"] == 1024, figures["auto"]
-    assert figures["auto"]["out_of_memory_trials"] == [4096]
-    assert figures["auto_seen"] == [2.0] and figures["auto_iterations"] == 2
-    assert 'micro_batch_size="auto": chose micro_batch_size=1024' in stdout
 
 
 # -- a failed step changes nothing, wherever it runs out of memory (real limits) ---------

@@ -180,7 +180,8 @@ model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=Tru
 after = AfterTheSearch()
 # No OOMBackoff: an out-of-memory error after the search would end `fit`.
 model.fit(train, epochs=EPOCHS, verbose=0, shuffle=False, callbacks=[after])
-print(json.dumps(dict(search=model.micro_batch_search, after=after.sizes)))
+print(json.dumps(dict(search=model.micro_batch_search, after=after.sizes,
+                      iterations=int(model.optimizer.iterations.numpy()))))
 """
 
 
@@ -194,6 +195,7 @@ def test_auto_chooses_a_size_that_trains_on_with_the_margin_it_measured():
     assert search["highest_peak"] + search["margin"] <= 40 * MIB, search
     # Twenty steps and more after the search, at the size it chose, none out of memory.
     assert len(after) >= 20 and set(after) == {search["micro_batch_size"]}, figures
+    assert figures["iterations"] == 40  # one update a batch: no failed attempt counted
 
 # -- two models on one device ----------------------------------------------------------
 
