@@ -11,8 +11,10 @@ With an out-of-memory policy attached (`OOMBackoff`, or
 out-of-memory error put back what the attempt changed (`keras_memopt.
 _rollback`), ask the policy (which sets a smaller micro-batch, or raises its
 report), and attempt the same batch again. Under several workers all agree
-on each attempt (`keras_memopt._coordinator`). The micro-batch size is
-run-time state of the step, so a retry traces nothing.
+on each attempt, before its collective part and after it
+(`keras_memopt._coordinator`). The micro-batch size is run-time state of
+the step, so a retry traces nothing. An out-of-memory error is kept as its
+text, its tracebacks dropped: nothing of a failed attempt outlives the retry.
 """
 
 from __future__ import annotations
