@@ -15,25 +15,27 @@ micro-batch `b`:
   every block (plain Keras + Remat against AccumulatingModel + Remat), and
   `AccumulatingModel(..., remat="auto")`.
 
-The table gives each configuration's lowest step peak in W, the bytes of
+The table gives each configuration's highest step peak in W, the bytes of
 the trainable weights (float32): plain Keras's, and the others' above the
 plain model they are compared with (plain + Remat for the recomputed ones).
 Accumulation needs one copy of the weights more than plain Keras at the same
 micro-batch (the gradient sum, +1 W at most); the rest is what the package
-adds. The lowest, because TensorFlow's executor orders a step's ops by the
-run times it measures as it goes, so a step's peak varies between steps and
-processes in plain Keras too; a copy the package makes is there in every
-order. `--json` gives every step's peak. `peak ÷ floor` divides the
-AccumulatingModel's lowest step peak plus what is in use at its start by
-the analytical floor: weights, optimizer state, the gradient sum and one
-micro-batch's activations (`keras_memopt.planning`'s estimate from the
-model's shapes).
+adds. The highest, because a step runs out of memory at its highest peak;
+TensorFlow's executor orders a step's ops by the run times it measures as
+it goes, so a step's peak varies between steps and processes in plain Keras
+too, and so does the allocator's rounding (a chunk less than twice a request
+is handed out whole). `--statistic lowest` gives the lowest instead, where
+a copy the package makes shows in every order. `--json` gives every step's
+peak. `peak ÷ floor` divides the AccumulatingModel's step peak plus what is
+in use at its start by the analytical floor: weights, optimizer state, the
+gradient sum and one micro-batch's activations (`keras_memopt.planning`'s
+estimate from the model's shapes).
 
 The batch itself is the input pipeline's and is outside the step peak: at
 micro-batch `b` an AccumulatingModel's batch is the effective batch, which
 plain Keras at batch `b` does not hold.
 
-Run: python benchmarks/memory_floor.py  (about 22 minutes on 2 busy cores;
+Run: python benchmarks/memory_floor.py  (about 30 minutes on 2 busy cores;
      TF_USE_LEGACY_KERAS=1 for tf_keras; --models mlp --optimizers adam for
      a quick look)
 """
@@ -250,27 +252,28 @@ COLUMNS = (
 )
 
 
-def _lowest(answers):
-    """Each configuration's lowest step peak over its steps and processes, in bytes."""
-    lowest = {}
+def _pick(answers, statistic="highest"):
+    """Each configuration's highest (or lowest) step peak over its steps and processes, in bytes."""
+    pick = max if statistic == "highest" else min
+    picked = {}
     for a in answers:
         key = (a["keras"], a["model"], a["optimizer"], a["micro_batch_size"], a["kind"])
-        lowest[key] = min(lowest.get(key, min(a["peaks"])), min(a["peaks"]))
-    return lowest
+        picked[key] = pick(picked.get(key, pick(a["peaks"])), pick(a["peaks"]))
+    return picked
 
 
-def _cell(lowest, key, kind, base, w):
-    """`kind`'s lowest step peak above `base`'s in W, or its own in W."""
-    if (*key, kind) not in lowest:
+def _cell(peaks, key, kind, base, w):
+    """`kind`'s step peak above `base`'s in W, or its own in W."""
+    if (*key, kind) not in peaks:
         return "-"
     if base is None:
-        return f"{lowest[(*key, kind)] / w:.2f} W"
-    return f"{(lowest[(*key, kind)] - lowest[(*key, base)]) / w:+.2f} W"
+        return f"{peaks[(*key, kind)] / w:.2f} W"
+    return f"{(peaks[(*key, kind)] - peaks[(*key, base)]) / w:+.2f} W"
 
 
-def table(answers):
-    """The floor table: each figure from the lowest step peak of its configuration."""
-    lowest = _lowest(answers)
+def table(answers, statistic="highest"):
+    """The floor table: each figure from the highest (or lowest) step peak of its configuration."""
+    peaks = _pick(answers, statistic)
     first = {}
     for a in answers:
         first.setdefault((a["keras"], a["model"], a["optimizer"], a["micro_batch_size"]), a)
@@ -284,12 +287,12 @@ def table(answers):
         a = first[key]
         w = a["weights"]
         floor = a["in_use"] + w + a["activations"]  # weights, slots, the sum, activations
-        accumulating = lowest.get((*key, "accumulating"))
+        accumulating = peaks.get((*key, "accumulating"))
         ratio = "-" if accumulating is None else f"{(a['in_use'] + accumulating) / floor:.2f}"
-        cells = "".join(f"| {_cell(lowest, key, kind, base, w)} " for _, kind, base in COLUMNS)
+        cells = "".join(f"| {_cell(peaks, key, kind, base, w)} " for _, kind, base in COLUMNS)
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {w / 2**20:.2f} "
-            f"| {_cell(lowest, key, 'plain', None, w)} {cells}| {ratio} |"
+            f"| {_cell(peaks, key, 'plain', None, w)} {cells}| {ratio} |"
         )
     return "\n".join(lines)
 
@@ -299,7 +302,9 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per process")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per process")
+    parser.add_argument("--statistic", choices=("highest", "lowest"), default="highest",
+                        help="which step peak of each configuration the table gives")
     parser.add_argument("--repeats", type=int, default=2, help="processes per configuration")
     parser.add_argument("--inter-op-threads", type=int, default=1,
                         help="TensorFlow's inter-op threads in the workers (1: the same "
@@ -313,7 +318,7 @@ def main(argv=None):
         return
     answers = measure(args.models, args.optimizers, args.kinds, args.steps, args.repeats,
                       args.inter_op_threads, args.jobs)
-    print(json.dumps(answers, indent=1) if args.json else table(answers))
+    print(json.dumps(answers, indent=1) if args.json else table(answers, args.statistic))
 
 
 if __name__ == "__main__":

@@ -1,50 +1,164 @@
-"""`micro_batch_size="auto"`: the largest micro-batch that runs, found by trying.
+"""`micro_batch_size="auto"`: the largest micro-batch that trains a run of steps, with headroom.
 
-The first step starts with the whole batch as one micro-batch; each
+The search starts with the whole batch as one micro-batch; each
 out-of-memory error is rolled back and the micro-batch shrunk by the policy
-an `OOMBackoff` attached (or a quiet `BackoffPolicy` with its defaults), and
-the first attempt that runs is the real step. The choice and its cost are reported once.
+an `OOMBackoff` attached (or a quiet `BackoffPolicy` with its defaults). The
+first size that runs is only a candidate: one step that ran says little of
+the next, whose peak can be higher (TensorFlow's executor times the ops of
+the first steps and then runs more of them side by side; on ResNet50 the
+step after the one that chose 64 ran out of memory at 64). So the search
+goes on for `STEPS` consecutive steps at the candidate (real training steps;
+an out-of-memory error among them is rolled back and shrinks the size as
+before, and the run starts again), reading each step's peak from the
+allocator. The margin is the spread of those peaks (how far the highest
+rose above the median: `headroom`): where the highest peak plus the margin
+does not fit in what the device can hand out, the size is shrunk by the
+policy's factor (no step fails for it) and a new run starts. The choice and
+the margin it kept are reported when a run ends, and kept in
+`model.micro_batch_search`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
-from keras_memopt import _io
+from keras_memopt import _io, memory
 from keras_memopt._backoff import BackoffPolicy
+from keras_memopt._validation import shrink
+from keras_memopt.memory import device_total
+
+
+def headroom(peaks: list[int], total: int | None) -> dict:
+    """Whether steps whose allocator peaks were `peaks` leave their spread free.
+
+    The spread is how far the highest peak rose above the median one: what
+    a step at this size was seen to need beyond a typical step, and so what
+    the next may need beyond the highest seen. Steps below the median (an
+    epoch's last steps, with no input to prepare beside them) say nothing of
+    that, and do not count. Returns `margin` (that spread), `highest`,
+    `total` and `fits`: the highest peak plus the margin is at most `total`
+    (True where `total` is not known: nothing to check against). What
+    `micro_batch_size="auto"` keeps free, and `MemoryPlanner` with it.
+    """
+    highest = max(peaks)
+    margin = highest - int(statistics.median(peaks))
+    fits = total is None or highest + margin <= total
+    return dict(margin=margin, highest=highest, total=total, fits=fits)
 
 
 class AutoSearch:
-    """One search, from the first batch of `batch_size` samples per replica."""
+    """One search, from the first batch of `batch_size` samples per replica.
+
+    The step runner calls `stepped` after each step that ran, until it
+    returns True.
+    """
+
+    STEPS = 10  # the run of consecutive steps a size must train
 
     def __init__(self, model, batch_size):
         self.model = model
+        self.batch_size = batch_size
         self.policy = model.oom_policy or BackoffPolicy(verbose=0)
         self._known = len(self.policy.backoffs)
         self.started = time.perf_counter()
+        self._candidate = None
+        self._peaks = []  # one dict {device: peak} per step of the current run
+        self._too_close = []  # sizes shrunk for want of headroom
         model.micro_batch_size = None
         model.micro_batch_size = batch_size or 1
 
-    def chose(self, size):
-        """Reports the size that ran (printed, and kept in `model.micro_batch_search`)."""
-        seconds = time.perf_counter() - self.started
-        trials = [
+    def stepped(self, batch_size, peaks: dict) -> bool:
+        """After a step that ran on a batch of `batch_size` with allocator `peaks`
+        per device: records it; returns whether the search is over."""
+        size = self.model.micro_batch_size
+        if not isinstance(size, int):
+            return True  # set by hand meanwhile: no longer the search's
+        if self._candidate is None:
+            self._report_candidate(size)
+        if size != self._candidate:  # an out-of-memory error shrank it: a new run
+            self._candidate, self._peaks = size, []
+        if not peaks or None in peaks.values():
+            self._keep(size, margin=None)  # no allocator figures: no spread to measure
+            return True
+        if batch_size != self.batch_size:
+            return False  # a short last batch peaks lower: not one of the run's
+        self._peaks.append(peaks)
+        if len(self._peaks) < self.STEPS:
+            return False
+        checks = {
+            device: headroom([p[device] for p in self._peaks], device_total(device))
+            for device in peaks
+        }
+        fits = all(check["fits"] for check in checks.values())
+        if fits or size <= self.policy.min_micro_batch_size:
+            self._report_choice(size, checks)
+            return True
+        smaller = shrink(size, self.policy.factor, self.policy.min_micro_batch_size)
+        _io.print_msg(
+            f'micro_batch_size="auto": micro_batch_size={size} ran {self.STEPS} steps '
+            f"but leaves less than the spread of their peaks free ({_describe(checks)}); "
+            f"trying micro_batch_size={smaller}."
+        )
+        self._too_close.append(size)
+        self.model.micro_batch_size = smaller
+        self._candidate, self._peaks = smaller, []
+        return False
+
+    def _trials(self):
+        return [
             (event["failed_micro_batch_size"], event["failed_step_seconds"])
             for event in self.policy.backoffs[self._known:]
         ]
-        failed = ", ".join(str(size) for size, _ in trials) or "none"
+
+    def _report_candidate(self, size):
+        trials = self._trials()
+        failed = ", ".join(str(s) for s, _ in trials) or "none"
         _io.print_msg(
             f'micro_batch_size="auto": chose micro_batch_size={size} '
-            f"(out of memory at: {failed}; search took {seconds:.1f} s, "
-            f"{sum(s for _, s in trials):.1f} s of it in failed attempts)"
+            f"(out of memory at: {failed}; search took "
+            f"{time.perf_counter() - self.started:.1f} s, "
+            f"{sum(s for _, s in trials):.1f} s of it in failed attempts); checking "
+            f"over {self.STEPS} steps that it leaves the spread of their peaks free."
         )
+        self._keep(size, margin=None)
+
+    def _report_choice(self, size, checks):
+        margin = max(check["margin"] for check in checks.values())
+        fits = all(check["fits"] for check in checks.values())
+        verdict = "kept a margin of" if fits else "could not keep (at min_micro_batch_size)"
+        _io.print_msg(
+            f'micro_batch_size="auto": micro_batch_size={size} trained {self.STEPS} steps '
+            f"and {verdict} {memory.format_bytes(margin)}, the spread of their peaks "
+            f"({_describe(checks)})."
+        )
+        self._keep(size, margin=margin, checks=checks)
+
+    def _keep(self, size, margin, checks=None):
+        trials = self._trials()
         # A plain dict: Keras would otherwise track (and wrap) it as model state.
         object.__setattr__(
             self.model,
             "micro_batch_search",
             dict(
                 micro_batch_size=size,
-                out_of_memory_trials=[size for size, _ in trials],
-                seconds=seconds,
+                out_of_memory_trials=[s for s, _ in trials],
+                too_close=list(self._too_close),
+                margin=margin,
+                steps=self.STEPS if margin is not None else 0,
+                highest_peak=None if checks is None else max(c["highest"] for c in checks.values()),
+                seconds=time.perf_counter() - self.started,
             ),
         )
+
+
+def _describe(checks):
+    parts = []
+    for device, check in checks.items():
+        total = check["total"]
+        total = "an unknown total" if total is None else memory.format_bytes(total)
+        parts.append(
+            f"on {device}: highest peak {memory.format_bytes(check['highest'])}, spread "
+            f"{memory.format_bytes(check['margin'])}, of {total}"
+        )
+    return "; ".join(parts)

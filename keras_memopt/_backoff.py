@@ -30,7 +30,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _io
-from keras_memopt._oom_errors import OutOfMemory, Phase, allocation_note, parse_oom, report
+from keras_memopt._oom_errors import (
+    OutOfMemory,
+    Phase,
+    allocation_bytes,
+    allocation_note,
+    parse_oom,
+    report,
+)
 from keras_memopt._validation import backoff_factor, positive_int, shrink
 
 
@@ -56,13 +63,11 @@ class BackoffPolicy:
         self.verbose = verbose
         self.backoffs: list[dict] = []
         self.trained_micro_batch_size = None
-        self._last_failure = None
 
     def reset(self):
         """Forgets the backoffs so far (a new `fit`)."""
         self.backoffs = []
         self.trained_micro_batch_size = None
-        self._last_failure = None
 
     def trained(self, micro_batch_size):
         """Called by the step runner after a training step ran: the size it ran with
@@ -78,14 +83,11 @@ class BackoffPolicy:
             tf.errors.ResourceExhaustedError: where a smaller micro-batch
                 cannot help: naming the phase, the bytes and what to try.
         """
-        refusal = self._refusal(failure)
-        if refusal is not None:
-            phase, note = refusal
-            message = report(
-                failure.error, phase, failure.memory, failure.micro_batch_size,
-                self.min_micro_batch_size, note,
-            )
-            raise tf.errors.ResourceExhaustedError(None, None, message) from failure.error
+        message = self.refusal(failure)
+        if message is not None:
+            # Not raised from the error: its traceback would hold the failed
+            # attempt's frames (the message gives its text).
+            raise tf.errors.ResourceExhaustedError(None, None, message)
         current = failure.micro_batch_size
         # Per-replica sizes all shrink: the failed step does not say which
         # replica's memory ran out.
@@ -97,11 +99,14 @@ class BackoffPolicy:
         if model.accumulation_steps is not None:
             model.accumulation_steps = None  # a size replaces the number of micro-batches
         model.micro_batch_size = shrunk if isinstance(current, tuple) else shrunk[0]
-        self._last_failure = failure
+        allocation = parse_oom(str(failure.error))
         event = dict(
             kind=failure.kind,
             phase=failure.phase.name.lower(),
             allocation=allocation_note(failure.error),
+            op=allocation["op"],
+            shape=allocation["shape"],
+            bytes=allocation_bytes(allocation),
             failed_micro_batch_size=current,
             micro_batch_size=model.micro_batch_size,
             failed_step_seconds=failure.failed_step_seconds,
@@ -114,6 +119,21 @@ class BackoffPolicy:
                 f"micro_batch_size={current}{event['allocation']}; retrying the same "
                 f"batch with micro_batch_size={event['micro_batch_size']}."
             )
+
+    def refusal(self, failure: OutOfMemory) -> str | None:
+        """The report `back_off` would raise for `failure`, or None where it would back off.
+
+        Changes nothing: under several workers each asks before they agree,
+        so that all stop where one must.
+        """
+        refusal = self._refusal(failure)
+        if refusal is None:
+            return None
+        phase, note = refusal
+        return report(
+            failure.error, phase, failure.memory, failure.micro_batch_size,
+            self.min_micro_batch_size, note,
+        )
 
     def _refusal(self, failure):
         """`(phase, note)` to report instead of backing off, or None."""
@@ -142,14 +162,13 @@ class BackoffPolicy:
         return None
 
     def _repeated(self, failure):
-        """Whether `failure` repeats the last one's allocation, which no micro-batch sized."""
-        last = self._last_failure
-        if last is None or last.phase is not failure.phase:
+        """Whether `failure` repeats the last backoff's allocation, which no micro-batch sized."""
+        if not self.backoffs or self.backoffs[-1]["phase"] != failure.phase.name.lower():
             return False
-        now, before = parse_oom(str(failure.error)), parse_oom(str(last.error))
-        if now["shape"] is None or (now["op"], now["shape"]) != (before["op"], before["shape"]):
+        last, now = self.backoffs[-1], parse_oom(str(failure.error))
+        if now["shape"] is None or (now["op"], now["shape"]) != (last["op"], last["shape"]):
             return False
-        sizes = {*_sizes(failure.micro_batch_size), *_sizes(last.micro_batch_size)}
+        sizes = {*_sizes(failure.micro_batch_size), *_sizes(last["failed_micro_batch_size"])}
         return not sizes & set(now["shape"])
 
 

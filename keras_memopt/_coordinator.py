@@ -7,7 +7,10 @@ and the other two do nothing. Under several workers (`SeveralWorkers`) a
 worker that retried alone would wait in collective ops the others never
 join (measured: every worker hangs), so `run` is the step's part without
 collective ops, all agree whether any must retry, and `finish` is the
-collective part.
+collective part; after it all agree once more (`finish_agreed`), so that an
+error in one worker's collective part (out of memory in its update, after
+the gradients' all-reduce) stops or rolls back every worker alike, where
+the others would otherwise go on to the next step alone.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import enum
 
 import tensorflow as tf
 
-from keras_memopt import _keras, distribute
+from keras_memopt import _keras, _oom_errors, distribute
 
 
 class StepStatus(enum.IntEnum):
@@ -67,6 +70,10 @@ class OneWorker:
 
     def finish(self, outputs):
         return outputs
+
+    def finish_agreed(self, outputs):
+        """`(outputs, StepStatus.OK, None)`: the whole step ran in `run`."""
+        return outputs, StepStatus.OK, None
 
 
 class SeveralWorkers:
@@ -120,3 +127,24 @@ class SeveralWorkers:
     def agree(self, status: StepStatus) -> StepStatus:
         counts = self._count(tf.constant(int(status), tf.int32)).numpy()
         return max(s for s in StepStatus if s == StepStatus.OK or counts[s] > 0)
+
+    def finish_agreed(self, outputs):
+        """`(outputs, status, error)`: the collective part, then every worker's status after it.
+
+        `status` is the agreed one; `error` this worker's: the text of an
+        out-of-memory error (`_oom_errors.ErrorText`, its tracebacks
+        dropped), another error as it was raised, or None. An error that
+        comes before the collective ops have run everywhere leaves the other
+        workers waiting in them: the step runner checks the update's memory
+        before the workers agree, so that what is known to fail never starts.
+        """
+        try:
+            outputs = self.finish(outputs)
+        except tf.errors.OpError as error:
+            if _oom_errors.is_oom(error):
+                _oom_errors.drop_tracebacks(error)
+                failure, status = _oom_errors.ErrorText.of(error), StepStatus.OUT_OF_MEMORY
+            else:
+                failure, status = error, StepStatus.FAILED
+            return None, self.agree(status), failure
+        return outputs, self.agree(StepStatus.OK), None

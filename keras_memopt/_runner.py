@@ -11,12 +11,15 @@ With an out-of-memory policy attached (`OOMBackoff`, or
 out-of-memory error put back what the attempt changed (`keras_memopt.
 _rollback`), ask the policy (which sets a smaller micro-batch, or raises its
 report), and attempt the same batch again. Under several workers all agree
-on each attempt (`keras_memopt._coordinator`). The micro-batch size is
-run-time state of the step, so a retry traces nothing.
+on each attempt, before its collective part and after it
+(`keras_memopt._coordinator`). The micro-batch size is run-time state of
+the step, so a retry traces nothing. An out-of-memory error is kept as its
+text, its tracebacks dropped: nothing of a failed attempt outlives the retry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import tensorflow as tf
@@ -61,6 +64,8 @@ class StepRunner:
         self._one_worker = None
         self._several_workers = None
         self._prepared = False
+        self._search = None  # micro_batch_size="auto", until its run of steps ends
+        self._peaks = {}  # device -> the allocator's peak in the last attempt that ran
         self._size_file = supervise.SizeFile()
         # What a failed attempt must put back: the loop's state for the
         # model's own step (its update is guarded), everything for a custom one.
@@ -106,9 +111,9 @@ class StepRunner:
             spec = None  # the parts' shapes are not the iterator's
         if not self._prepared:
             self._prepare(data)
-        search = None
         if model.micro_batch_size == "auto":
-            search = AutoSearch(model, static_replica_batch(data))
+            self._search = AutoSearch(model, static_replica_batch(data))
+        search = self._search
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
             model._update_guard.disarm()
@@ -117,8 +122,8 @@ class StepRunner:
             return coordinator.finish(coordinator.run(data, spec))
         outputs = self._with_retries(data, spec, policy)
         size = self._in_use(data)
-        if search is not None:
-            search.chose(size)
+        if search is not None and search.stepped(static_replica_batch(data), self._peaks):
+            self._search = None
         if self.kind == "train":
             policy.trained(size)
         return outputs
@@ -164,7 +169,7 @@ class StepRunner:
         while True:
             size = self._in_use(data)
             self._size_file.write(size)
-            outputs, failure = self._attempt(coordinator, data, spec, size)
+            outputs, failure = self._attempt(coordinator, data, spec, size, policy)
             if failure is None:
                 return outputs
             policy.back_off(self.model, failure)  # raises when it cannot
@@ -179,67 +184,114 @@ class StepRunner:
             and model.devices is None
         )
 
-    def _attempt(self, coordinator, data, spec, size):
-        """One attempt: `(outputs, None)`, or `(None, OutOfMemory)` with the state put back."""
+    def _attempt(self, coordinator, data, spec, size, policy):
+        """One attempt: `(outputs, None)`, or `(None, OutOfMemory)` with the state put back.
+
+        Under several workers they agree twice: after each one's own part
+        (whether any ran out of memory; a worker whose policy would refuse
+        stops them all, so that none retries alone) and after the
+        collective part, whose failure on one worker puts every worker's
+        step back (`_coordinator.SeveralWorkers.finish_agreed`).
+        """
         model = self.model
-        strategy = model.distribute_strategy
-        devices = _step_devices(strategy)
+        several = isinstance(coordinator, _coordinator.SeveralWorkers)
+        attempt = _Attempt(size, _step_devices(model.distribute_strategy))
         taken = self._snapshot.take()
         host = None
-        if self._guarded() and not model._update_guard.prepare(size, devices):
-            host = _rollback.HostCopy(_rollback.update_variables(model), strategy)
-        in_use = [memory.reset_step_peak(device) for device in devices][0]
-        status, error, outputs, seconds = self._run_once(coordinator, data, spec)
+        guard = model._update_guard
+        if self._guarded() and not guard.prepare(size, attempt.devices, check_in_step=not several):
+            host = _rollback.HostCopy(_rollback.update_variables(model), model.distribute_strategy)
+        attempt.in_use = [memory.reset_step_peak(device) for device in attempt.devices][0]
+        status, error, outputs, attempt.seconds = self._run_once(coordinator, data, spec)
+        refusal = None
+        if several:
+            status, error, refusal = self._before_agreeing(status, error, attempt, policy)
         status = coordinator.agree(status)
-        if status == StepStatus.OK:
-            outputs = coordinator.finish(outputs)
-            if self._guarded():
-                model._update_guard.learn(size)
-            return outputs, None
+        collective = status == StepStatus.OK
+        if collective:
+            outputs, status, error = coordinator.finish_agreed(outputs)
+            if status == StepStatus.OK:
+                self._ran(attempt)
+                return outputs, None
         recovery = time.perf_counter()
-        phase = self._phase_of(error)
+        phase = _oom_errors.Phase.UPDATE if collective else self._phase_of(error)
+        self._put_back(phase, error, size, host, taken, stopping=status == StepStatus.FAILED)
+        partial = collective and host is None  # an update ran that nothing can put back
+        del taken, host
+        if status == StepStatus.FAILED:
+            _stop(error, refusal, partial)
+        if error is None:
+            error = _oom_errors.ErrorText(
+                "ResourceExhaustedError", "OOM on another worker: every worker retries the step."
+            )
+        return None, self._failure(error, phase, attempt, time.perf_counter() - recovery)
+
+    def _before_agreeing(self, status, error, attempt, policy):
+        """Under several workers: `(status, error, refusal)` to agree on.
+
+        The update's memory is checked here (not in the step: the other
+        workers would wait in its collective ops), and a worker out of
+        memory whose policy would refuse says FAILED, with the report.
+        """
+        if status == StepStatus.OK and self._guarded():
+            refused = self.model._update_guard.check()
+            if refused is not None:
+                status = StepStatus.OUT_OF_MEMORY
+                error = _oom_errors.ErrorText("ResourceExhaustedError", refused)
+        if status != StepStatus.OUT_OF_MEMORY:
+            return status, error, None
+        refusal = policy.refusal(self._failure(error, self._phase_of(error), attempt, 0.0))
+        return (StepStatus.FAILED if refusal else status), error, refusal
+
+    def _ran(self, attempt):
+        """After an attempt that ran: its peaks (the loop's and the update's, where
+        the guard measured the update in a window of its own); what the update needed."""
+        guard = self.model._update_guard
+        self._peaks = {
+            device: max(
+                (p for p in (guard.loop_peak(device), memory.step_peak(device)) if p is not None),
+                default=None,
+            )
+            for device in attempt.devices
+        }
+        if self._guarded():
+            guard.learn(attempt.size)
+
+    def _put_back(self, phase, error, size, host, taken, stopping=False):
+        """Puts back what the failed attempt changed, or raises where its update may be partial."""
         if phase is _oom_errors.Phase.UPDATE and not self._update_refused(error):
-            if host is None:
+            if host is not None:
+                host.restore()
+            elif not stopping:
                 raise tf.errors.ResourceExhaustedError(
                     None, None, _oom_errors.report(error, phase, micro_batch_size=size, note=(
                         "The update ran out of memory although what it was measured to "
                         "need was free: the weights and optimizer variables may be partly "
                         "updated; restore them from a checkpoint."
                     ))
-                ) from error
-            host.restore()
+                )
         self._snapshot.restore(taken)
-        del taken, host
-        if status == StepStatus.FAILED:
-            if error is not None and not _oom_errors.is_oom(error):
-                raise error
-            raise tf.errors.AbortedError(
-                None, None,
-                "Another worker's step failed (not with an out-of-memory error "
-                "this worker could retry); every worker stops here, with the "
-                "model as it was before the step.",
-            )
-        if error is None:
-            error = tf.errors.ResourceExhaustedError(
-                None, None, "OOM on another worker: every worker retries the step."
-            )
-        return None, _oom_errors.OutOfMemory(
+
+    def _failure(self, error, phase, attempt, recovery_seconds):
+        return _oom_errors.OutOfMemory(
             kind=self.kind,
             phase=phase,
             error=error,
-            micro_batch_size=size,
-            memory_in_use=in_use,
-            memory=self._step_memory(size, devices[0], in_use),
-            failed_step_seconds=seconds,
-            recovery_seconds=time.perf_counter() - recovery,
+            micro_batch_size=attempt.size,
+            memory_in_use=attempt.in_use,
+            memory=self._step_memory(attempt.size, attempt.devices[0], attempt.in_use),
+            failed_step_seconds=attempt.seconds,
+            recovery_seconds=recovery_seconds,
         )
 
     @staticmethod
     def _run_once(coordinator, data, spec):
         """`(status, error, outputs, seconds)` of this worker's part of the step.
 
-        An error other than out of memory is raised at once on one worker;
-        under several, the others must learn of it first.
+        An out-of-memory error comes back as its text (`_oom_errors.ErrorText`),
+        its tracebacks dropped: their frames would keep the failed attempt's
+        batch allocated. Another error is raised at once on one worker; under
+        several, the others must learn of it first, and it comes back as it is.
         """
         started = time.perf_counter()
         try:
@@ -248,8 +300,11 @@ class StepRunner:
             oom = _oom_errors.is_oom(error)
             if not oom and not isinstance(coordinator, _coordinator.SeveralWorkers):
                 raise
-            status = StepStatus.OUT_OF_MEMORY if oom else StepStatus.FAILED
-            return status, error, None, time.perf_counter() - started
+            if not oom:
+                return StepStatus.FAILED, error, None, time.perf_counter() - started
+            _oom_errors.drop_tracebacks(error)
+            text = _oom_errors.ErrorText.of(error)
+            return StepStatus.OUT_OF_MEMORY, text, None, time.perf_counter() - started
         return StepStatus.OK, None, outputs, time.perf_counter() - started
 
     def _phase_of(self, error):
@@ -300,6 +355,34 @@ def _joined(predictions):
     if len(predictions) == 1:
         return predictions[0]
     return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """What one attempt at a step ran with, for its report."""
+
+    size: int | tuple | None
+    devices: list
+    in_use: int | None = None
+    seconds: float = 0.0
+
+
+def _stop(error, refusal, partial):
+    """Raises what stops every worker: this one's report or error, or word of another's."""
+    if refusal is not None:
+        raise tf.errors.ResourceExhaustedError(None, None, refusal)
+    if isinstance(error, BaseException):  # this worker's own, not out of memory
+        raise error
+    kept = (
+        "with its weights and optimizer variables as its update left them (they may "
+        "differ between workers): restore them from a checkpoint"
+        if partial else "with the model as it was before the step"
+    )
+    raise tf.errors.AbortedError(
+        None, None,
+        "Another worker's step failed (not with an out-of-memory error this worker "
+        f"could retry); every worker stops here, {kept}.",
+    )
 
 
 def _elements(variable) -> int:

@@ -155,23 +155,50 @@ class UpdateGuard:
             self._loop_peaks[device] = memory.step_peak(device)
             self._update_starts[device] = memory.reset_step_peak(device) or 0
             return 0
+        refusal = self._refusal(device)
+        if refusal is not None:
+            raise tf.errors.ResourceExhaustedError(None, None, refusal)
+        return 0
+
+    def _refusal(self, device) -> str | None:
+        """The out-of-memory message where the update's need is not free on `device`."""
         info = memory.allocator_memory(device)
         total = self._totals.get(device)
-        if info is not None and total is not None and info["current"] + self._need > total:
-            self._refused = True
-            raise tf.errors.ResourceExhaustedError(
-                None, None,
-                f"OOM when allocating {self._need} bytes for the optimizer update on "
-                f"device:{device} (free: {total - info['current']}) "
-                "[[{{node update_reservation}}]]",
-            )
-        return 0
+        if info is None or total is None or self._need is None:
+            return None
+        if info["current"] + self._need <= total:
+            return None
+        self._refused = True
+        return (
+            f"OOM when allocating {self._need} bytes for the optimizer update on "
+            f"device:{device} (free: {total - info['current']}) [[{{{{node update_reservation}}}}]]"
+        )
+
+    def check(self) -> str | None:
+        """The check the update makes at its start, made now, on the host.
+
+        For an update that runs after the workers agreed that the step goes
+        on (`keras_memopt._coordinator.SeveralWorkers`): an error inside it
+        would leave the other workers waiting in its collective ops, so
+        `prepare(..., check_in_step=False)` leaves it out of the step and
+        the runner calls this before they agree. Returns the out-of-memory
+        message where the measured need is not free on a device, else None.
+        """
+        if self._measuring:
+            return None
+        for device in self._devices:
+            refusal = self._refusal(device)
+            if refusal is not None:
+                return refusal
+        return None
 
     # -- in the step runner ------------------------------------------------------------
 
-    def prepare(self, key, devices) -> bool:
+    def prepare(self, key, devices, check_in_step: bool = True) -> bool:
         """Before an attempt at micro-batch `key`: arms the check of its update.
 
+        With `check_in_step=False` the step itself does not check (the
+        runner calls `check` instead; it still measures or reserves).
         Returns whether the guard knows what the update needs; when it does
         not, this attempt measures it, and the runner must keep the update's
         variables elsewhere meanwhile (`HostCopy`).
@@ -188,7 +215,7 @@ class UpdateGuard:
         known = all(total is not None for total in self._totals.values())
         reserve = self._need if self._need is not None and not known else 0
         self._reserve_kib.assign(math.ceil(reserve / _KIB))
-        self._watching.assign(self._measuring or known)
+        self._watching.assign(self._measuring or (known and check_in_step))
         return need is not None
 
     def disarm(self):

@@ -63,11 +63,12 @@ class AccumulatingModel(
         micro_batch_size: int, the number of samples in each micro-batch
             (per replica under a distribution strategy). The last micro-batch
             of a batch may be smaller; a batch smaller than `micro_batch_size`
-            is one micro-batch. `"auto"`: at the first step, the largest size
-            that runs, found by trying real steps (failed attempts rolled
+            is one micro-batch. `"auto"`: from the first step, the largest
+            size that trains a run of 10 steps and leaves the spread of their
+            peaks free, found by trying real steps (failed attempts rolled
             back), starting from the whole batch and shrinking by half (or by
-            an attached `OOMBackoff`'s factor); the choice and its cost are
-            printed and kept in `model.micro_batch_search`.
+            an attached `OOMBackoff`'s factor); the choice, the margin it kept
+            and its cost are printed and kept in `model.micro_batch_search`.
         accumulation_steps: int, the number of micro-batches to split each
             batch into, as evenly as possible. Give at most one of
             `micro_batch_size` and `accumulation_steps`; with neither, each

@@ -488,6 +488,54 @@ class TestAuto:
         assert model.micro_batch_size == 32
         assert model.micro_batch_search["out_of_memory_trials"] == []
 
+    def test_auto_backs_off_at_a_later_step_of_its_run(self, capsys):
+        """A size that ran one step is a candidate; the run of ten steps goes on."""
+        x, y = _data()  # three steps an epoch
+        model = _model(micro_batch_size="auto", limit=10)
+        fault = model.get_layer("device")
+
+        class Shrink(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                self.seen = getattr(self, "seen", -1) + 1
+                if self.seen == 4:  # the fifth step needs a smaller micro-batch
+                    fault.limit = 4
+
+        _fit(model, x, y, [Shrink()], epochs=5)
+        search = model.micro_batch_search
+        assert search["out_of_memory_trials"] == [32, 16, 8], search
+        assert model.micro_batch_size == search["micro_batch_size"] == 4
+        # Ten steps at 4 from the fifth on: the search ended with the fourteenth.
+        assert search["steps"] == 10 and search["margin"] is not None, search
+        out = capsys.readouterr().out
+        assert 'micro_batch_size="auto": chose micro_batch_size=8' in out
+        assert "micro_batch_size=4 trained 10 steps and kept a margin of" in out
+
+    def test_auto_shrinks_a_size_that_leaves_too_little_free(self, monkeypatch, capsys):
+        """Without an out-of-memory error, where the device's total is below the
+        highest step peak plus the spread: down to the smallest size allowed."""
+        from keras_memopt import _auto_search
+
+        # What the search checks against (the update's own check is left alone).
+        monkeypatch.setattr(_auto_search, "device_total", lambda device: 1)
+        x, y = _data()
+        model = _model(micro_batch_size="auto")
+        _fit(model, x, y, [OOMBackoff(min_micro_batch_size=8, verbose=0)], epochs=10)
+        search = model.micro_batch_search
+        assert search["too_close"] == [32, 16] and search["out_of_memory_trials"] == []
+        assert model.micro_batch_size == 8 and search["margin"] is not None
+        out = capsys.readouterr().out
+        assert "micro_batch_size=32 ran 10 steps but leaves less than the spread" in out
+        assert "micro_batch_size=8 trained 10 steps and could not keep" in out
+
+    def test_headroom_is_the_rise_of_the_highest_peak_above_the_median(self):
+        from keras_memopt._auto_search import headroom
+
+        peaks = [10, 12, 11, 15, 9]  # median 11: 4 above it at the highest
+        assert headroom(peaks, 19) == dict(margin=4, highest=15, total=19, fits=True)
+        assert not headroom(peaks, 18)["fits"]
+        assert headroom(peaks, None)["fits"]
+        assert headroom([7, 7, 7], 7) == dict(margin=0, highest=7, total=7, fits=True)
+
 
 class TestXLA:
     def test_jit_compile_true_is_refused(self):
@@ -669,16 +717,9 @@ def test_real_oom_backs_off_to_the_result_of_a_run_started_there():
     assert figures["seen"] == [2.0]  # every sample once per epoch, the retry included
 
 
-REAL_EVALUATE_REPORT_AUTO = REAL_PRELUDE + """
+# micro_batch_size="auto" under a real limit: tests/test_oom_memory.py.
+REAL_EVALUATE = REAL_PRELUDE + """
 out = {}
-# micro_batch_size="auto": the largest size that runs, found with real steps.
-model = build("auto")
-fit(model, [OOMBackoff(factor=0.25, verbose=0)])
-out["auto"] = model.micro_batch_search
-out["auto_seen"] = sorted(set(model.layers[1].seen.numpy().tolist()))
-out["auto_iterations"] = int(model.optimizer.iterations.numpy())
-del model
-
 # evaluate: 4 x 4096 samples in one micro-batch do not fit; a quarter does.
 big_x, big_y = np.concatenate([x] * 4), np.concatenate([y] * 4)
 model = build(4 * N)
@@ -695,15 +736,10 @@ print(json.dumps(out))
 """
 
 @pytest.mark.slow
-def test_real_oom_in_evaluate_and_with_auto():
-    figures, stdout = _real(REAL_EVALUATE_REPORT_AUTO)
+def test_real_oom_in_evaluate():
+    figures, stdout = _real(REAL_EVALUATE)
     assert figures["evaluate_backoffs"] == [4 * 4096], stdout
     assert figures["evaluate_difference"] <= 1e-5
-
-    assert figures["auto"]["micro_batch_size"] == 1024, figures["auto"]
-    assert figures["auto"]["out_of_memory_trials"] == [4096]
-    assert figures["auto_seen"] == [2.0] and figures["auto_iterations"] == 2
-    assert 'micro_batch_size="auto": chose micro_batch_size=1024' in stdout
 
 
 # -- a failed step changes nothing, wherever it runs out of memory (real limits) ---------

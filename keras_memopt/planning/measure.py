@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras, _subprocess
+from keras_memopt._auto_search import headroom
 
 keras = _keras.keras
 
@@ -27,6 +28,10 @@ __all__ = [
     "synthetic_batch",
     "training_copy",
 ]
+
+
+# The steps measured after the tracing step: enough for a median.
+STEPS = 3
 
 
 class CannotIsolate(Exception):
@@ -67,10 +72,13 @@ def synthetic_batch(model, size):
 
 
 def measure_step(source, optimizer, batch, micro, device) -> int | None:
-    """Allocator peak of train steps of a fresh training copy of `source`.
+    """Allocator peak of train steps of a fresh training copy of `source`, with headroom.
 
     Bytes over what was in use before the copy was made, so the copy's
-    parameters and optimizer slots count; None if it ran out of memory.
+    parameters and optimizer slots count: the highest peak of `STEPS` steps
+    after a tracing step, plus the margin `micro_batch_size="auto"` keeps
+    (how far it rose above the median step peak,
+    `keras_memopt._auto_search.headroom`); None if it ran out of memory.
 
     Raises:
         RuntimeError: if `device` gives no allocator figures.
@@ -93,10 +101,14 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
             # The first step traces the step and builds the optimizer's slots;
             # its transient allocations are not those of training.
             model.train_on_batch(x, y)
-            tf.config.experimental.reset_memory_stats(device)
-            for _ in range(2):
+            peaks = []
+            for _ in range(STEPS):
+                tf.config.experimental.reset_memory_stats(device)
                 model.train_on_batch(x, y)
-        return tf.config.experimental.get_memory_info(device)["peak"] - before
+                peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+        # What `micro_batch_size="auto"` keeps free beside its highest step peak.
+        spread = headroom(peaks, None)
+        return spread["highest"] + spread["margin"]
     except tf.errors.OpError as error:
         if not is_oom(error):
             raise

@@ -185,9 +185,12 @@ class MemoryPlanner:
         For each size, a fresh copy of the model (fresh weights; the model
         itself is not touched) is compiled as an `AccumulatingModel` with a
         copy of the optimizer and trained on synthetic data: one step to
-        trace it and build the optimizer, then two steps whose allocator
-        peak, less what was in use before the copy was made, is the
-        measurement. On a CPU that happens in a fresh process per size (see
+        trace it and build the optimizer, then three steps, each one's
+        allocator peak less what was in use before the copy was made. The
+        measurement is the highest of them plus the margin
+        `micro_batch_size="auto"` keeps: how far the highest rose above the
+        median (a step's peak varies with the order TensorFlow runs its ops
+        in). On a CPU that happens in a fresh process per size (see
         `isolate` in the class documentation). Measurements add up over calls
         (a size measured again replaces the old figure); `estimate()`
         interpolates between them.
