@@ -13,7 +13,7 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _loop
+from keras_memopt._step import loop as _loop
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
@@ -221,12 +221,6 @@ def output_loss_trackers(model):
     return list(container.metrics) if container is not None else []
 
 
-def static_batch_dim(x):
-    """The static first dimension of a batch (None when unknown), as Keras reads it."""
-    leaves = [t for t in tf.nest.flatten(x) if t is not None]
-    return leaves[0].shape[0] if leaves else None
-
-
 def update_metrics(model, x, y, y_pred, sample_weight):
     """Updates the compiled metrics with one micro-batch; results come later."""
     if LEGACY:
@@ -360,7 +354,7 @@ def functional_config(model, config):
     return {**view.get_config(), **config}
 
 
-# -- the step runner (keras_memopt._runner) -------------------------------------
+# -- the step runner (keras_memopt._step.runner) -------------------------------------
 
 
 def optimizers_of(model) -> list:

@@ -9,7 +9,8 @@ class, the one that is saved and revived.
 
 from __future__ import annotations
 
-from keras_memopt import _keras, _shares, distribute, placement
+from keras_memopt import _keras, distribute, placement
+from keras_memopt._step import shares as _shares
 
 SETTING_ARGS = (
     "micro_batch_size", "accumulation_steps", "remat", "replica_shares", "devices", "device_cuts",

@@ -1,4 +1,4 @@
-"""Argument checks shared by the public classes, worded as Keras words them, and the shrink rule.
+"""Argument checks shared by the public classes, worded as Keras words them.
 
 Light to import (no NumPy, no TensorFlow): the command line uses them before
 it loads anything heavy.
@@ -59,25 +59,6 @@ def whole_batch_loss(value, replica_shares=None):
             f"replica_shares={list(replica_shares)!r}"
         )
     return value
-
-
-def backoff_factor(value):
-    """Returns a backoff `factor` as a float in (0, 1), or raises naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
-        raise ValueError(
-            "`factor` must be a number between 0 and 1 (exclusive), the fraction "
-            f"of the micro-batch to keep. Received: factor={value!r}"
-        )
-    return float(value)
-
-
-def shrink(size: int, factor: float, minimum: int) -> int:
-    """The micro-batch size after an out-of-memory error at `size`: the one rule.
-
-    `size * factor` rounded down, at least one sample smaller and never below
-    `minimum`; used by `OOMBackoff` and `keras-memopt run`.
-    """
-    return max(minimum, min(size - 1, int(size * factor)))
 
 
 def positive_int_argument(text: str) -> int:

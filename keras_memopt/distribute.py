@@ -7,8 +7,8 @@
   can be read and written without any collective op.
 - `multi_worker`, `writes_files`: what several worker processes change.
 
-Agreeing across workers on a failed step is `keras_memopt._coordinator`'s;
-uneven replica shares are `keras_memopt._shares`'.
+Agreeing across workers on a failed step is `keras_memopt._oom.coordinator`'s;
+uneven replica shares are `keras_memopt._step.shares`'.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ The one home in keras_memopt for each of these needs:
   per process, and the NVML device behind one of TensorFlow's GPUs;
 - `MemoryReader`: all of the above, and the host's RSS, as one flat dict.
 
-Byte sizes live in `keras_memopt._sizes` and the allocator's figures in
-`keras_memopt._allocator`; this module is their public home. Importing it
+Byte sizes live in `keras_memopt._memory.sizes` and the allocator's figures in
+`keras_memopt._memory.allocator`; this module is their public home. Importing it
 does not import TensorFlow (the functions that read it do), so that the
 command line can check sizes before TensorFlow loads.
 """
@@ -23,7 +23,7 @@ import os
 
 import psutil
 
-from keras_memopt._allocator import (
+from keras_memopt._memory.allocator import (
     allocator_memory,
     canonical_device,
     default_device,
@@ -32,7 +32,13 @@ from keras_memopt._allocator import (
     start_peak_window,
     step_peak,
 )
-from keras_memopt._sizes import MIB, bytes_if_known, bytes_per_sample, format_bytes, parse_bytes
+from keras_memopt._memory.sizes import (
+    MIB,
+    bytes_if_known,
+    bytes_per_sample,
+    format_bytes,
+    parse_bytes,
+)
 
 __all__ = [
     "MIB",

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import (
-    _io,
-    _keras,
-    _losses,
-    _runner,
-    _shares,
-    _update,
-    _validation,
-    placement,
-)
+from keras_memopt import _io, _keras, _validation, placement
 from keras_memopt import remat as _remat
-from keras_memopt._custom_steps import CustomSteps
-from keras_memopt._run_settings import KeepsRunSettings
+from keras_memopt._oom.run_settings import KeepsRunSettings
 from keras_memopt._serialization import SerializationMixin, functional_class
-from keras_memopt._setting import MicroBatchSetting
-from keras_memopt._steps import MicroBatchSteps
+from keras_memopt._step import losses as _losses
+from keras_memopt._step import runner as _runner
+from keras_memopt._step import shares as _shares
+from keras_memopt._step import update as _update
+from keras_memopt._step.custom_steps import CustomSteps
+from keras_memopt._step.setting import MicroBatchSetting
+from keras_memopt._step.steps import MicroBatchSteps
 
 __all__ = ["AccumulatingModel"]
 

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _graph, _keras, _segments, _update
+from keras_memopt import _keras
+from keras_memopt._remat import graph as _graph
+from keras_memopt._remat import segments as _segments
+from keras_memopt._step import update as _update
 
 __all__ = ["Placement", "PlacementMixin", "build_plan", "place", "validate"]
 
@@ -37,7 +40,7 @@ class Placement:
     Attributes:
         devices: one device name per segment, as given.
         device_cuts: `"auto"` or the cut layers' names, as given.
-        cuts: the node indices (`keras_memopt._graph.Graph`) after which the
+        cuts: the node indices (`keras_memopt._remat.graph.Graph`) after which the
             segments end, in graph order.
     """
 
@@ -267,7 +270,7 @@ def build_optimizer(optimizer, variables):
     outside any traced function, each slot is created where its variable is
     (the optimizer colocates them). The arithmetic of an update (Keras's
     `update_step`, one variable at a time) carries no device either, so it is
-    run under its variable's device (`keras_memopt._update.chain_updates`).
+    run under its variable's device (`keras_memopt._step.update.chain_updates`).
     Optimizers without `update_step` (tf_keras's legacy ones) update with
     fused ops that run where the variable is.
     """

@@ -8,19 +8,20 @@ activation memory. Two ways in:
   goes);
 - `AccumulatingModel(inputs, outputs, remat="auto" | [layer names])` for
   functional models, which splits the model's graph into segments (see
-  `keras_memopt._segments`).
+  `keras_memopt._remat.segments`).
 
 The recomputation itself (exact: same dropout masks, state updated once) is
-`keras_memopt._recompute`'s.
+`keras_memopt._remat.recompute`'s.
 """
 
 from __future__ import annotations
 
 import inspect
 
-from keras_memopt import _keras, _segments, placement
-from keras_memopt._recompute import check_no_activity_regularizer, recompute
-from keras_memopt._segments import plan_segments
+from keras_memopt import _keras, placement
+from keras_memopt._remat import segments as _segments
+from keras_memopt._remat.recompute import check_no_activity_regularizer, recompute
+from keras_memopt._remat.segments import plan_segments
 
 __all__ = ["Remat", "plan_segments"]
 

@@ -60,7 +60,8 @@ import subprocess
 import sys
 import tempfile
 
-from keras_memopt._validation import backoff_factor, positive_int, shrink
+from keras_memopt._oom.rule import backoff_factor, shrink
+from keras_memopt._validation import positive_int
 
 __all__ = [
     "CAP_VARIABLE",

@@ -14,8 +14,8 @@ import tensorflow as tf
 from _fuzz import RTOL, relative_error, run
 from _fuzz_cases import Head, Spec, draw
 
-from keras_memopt import _loop
 from keras_memopt._keras import LEGACY
+from keras_memopt._step import loop as _loop
 
 # The fixed sample CI runs on each Keras line (about 90 s of cases on one core).
 SEEDS = range(16)

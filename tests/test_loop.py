@@ -1,4 +1,4 @@
-"""The micro-batch loop (`keras_memopt._loop`) on hand-computed numbers.
+"""The micro-batch loop (`keras_memopt._step.loop`) on hand-computed numbers.
 
 As Keras's optimizer tests do, each case states its inputs and the result
 worked out by hand: the loop must run `fn` once per micro-batch, the last one
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_memopt import _loop
+from keras_memopt._step import loop as _loop
 
 pytestmark = pytest.mark.line_independent  # no Keras code
 

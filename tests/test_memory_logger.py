@@ -74,7 +74,7 @@ class TestLogs:
     def test_plot_puts_the_host_rss_on_a_panel_of_its_own(self, keras_module, tmp_path):
         import matplotlib.image
 
-        from keras_memopt._memory_plot import memory_figure
+        from keras_memopt._memory.plot import memory_figure
 
         plot = tmp_path / "memory.png"
         logger = MemoryLogger(plot=str(plot), every_n_batches=1, devices=["CPU:0"])
@@ -94,7 +94,7 @@ class TestLogs:
         assert list(device.get_lines()[0].get_xdata()) == list(range(1, 9))
 
     def test_plot_without_device_figures_has_the_host_panel_only(self):
-        from keras_memopt._memory_plot import memory_figure
+        from keras_memopt._memory.plot import memory_figure
 
         rows = [{"step": step, "memory_host_rss_mib": 400.0 + step} for step in (1, 2)]
         (host,) = memory_figure(rows).get_axes()

@@ -16,8 +16,9 @@ import tensorflow as tf
 from _faults import OutOfMemoryAbove, OutOfMemoryAtSample
 from conftest import LEGACY, last_json, run_python
 
-from keras_memopt import AccumulatingModel, _rollback
+from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
+from keras_memopt._oom import rollback as _rollback
 from keras_memopt.callbacks import OOMBackoff
 from keras_memopt.memory import format_bytes
 
@@ -528,7 +529,7 @@ class TestAuto:
         assert "micro_batch_size=8 trained 10 steps and could not keep" in out
 
     def test_headroom_is_the_rise_of_the_highest_peak_above_the_median(self):
-        from keras_memopt._auto_search import headroom
+        from keras_memopt._oom.auto_search import headroom
 
         peaks = [10, 12, 11, 15, 9]  # median 11: 4 above it at the highest
         assert headroom(peaks, 19) == dict(margin=4, highest=15, total=19, fits=True)
@@ -753,7 +754,8 @@ def test_real_oom_in_evaluate():
 REAL_ROLLBACK = """
 import json, os
 import numpy as np, tensorflow as tf
-from keras_memopt import AccumulatingModel, _rollback
+from keras_memopt import AccumulatingModel
+from keras_memopt._oom import rollback as _rollback
 from keras_memopt._keras import LEGACY, keras
 from keras_memopt.callbacks import OOMBackoff
 

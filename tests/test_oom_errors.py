@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 from conftest import last_json, run_python
 
-from keras_memopt import _oom_errors
+from keras_memopt._oom import errors as _oom_errors
 
 
 class TestDetection:
@@ -130,7 +130,7 @@ CONSTANT_OOM = """
 import json
 import numpy as np
 import tensorflow as tf
-from keras_memopt import _oom_errors
+from keras_memopt._oom import errors as _oom_errors
 
 # Folding would try (and wait for) the allocation several times over; the
 # constant's own kernel fails the same way with it off, in a third of the time.

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_memopt import AccumulatingModel, _shares
+from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
+from keras_memopt._step import shares as _shares
 
 layers = keras.layers
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)

@@ -6,8 +6,9 @@ import os
 
 import numpy as np
 
-from keras_memopt import _keras, _rollback, distribute
+from keras_memopt import _keras, distribute
 from keras_memopt._keras import keras
+from keras_memopt._oom import rollback as _rollback
 
 __all__ = ["BackupAndRestore"]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import warnings
 
-from keras_memopt import _memory_files, _memory_plot
 from keras_memopt._io import print_msg
 from keras_memopt._keras import keras
-from keras_memopt._memory_writers import CsvRows, Summaries
+from keras_memopt._memory import files as _memory_files
+from keras_memopt._memory import plot as _memory_plot
+from keras_memopt._memory.writers import CsvRows, Summaries
 from keras_memopt._validation import positive_int
 from keras_memopt.memory import MemoryReader
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 
 from keras_memopt import _io, _keras
-from keras_memopt._backoff import BackoffPolicy
 from keras_memopt._keras import keras
+from keras_memopt._oom.backoff import BackoffPolicy
 
 
 class OOMBackoff(keras.callbacks.Callback):
@@ -47,10 +47,10 @@ class OOMBackoff(keras.callbacks.Callback):
     on the device during each step, which costs its size again at the
     update.
 
-    The rule is a `BackoffPolicy` (`keras_memopt._backoff`) that the callback
+    The rule is a `BackoffPolicy` (`keras_memopt._oom.backoff`) that the callback
     owns (`policy`) and sets as the model's `oom_policy` for the length of
-    `fit`, `evaluate` or `predict`; at their end it puts back what it changed:
-    the model's previous policy, and XLA where it turned XLA off.
+    `fit`, `evaluate` or `predict`; at their end, however they end, the model
+    puts back its previous policy, and XLA where the callback turned XLA off.
 
     The micro-batch size is run-time state of the step, so a retry traces
     nothing: it costs the failed attempt (with TensorFlow's own wait before it
@@ -101,9 +101,6 @@ class OOMBackoff(keras.callbacks.Callback):
     ):
         super().__init__()
         self.policy = BackoffPolicy(factor, min_micro_batch_size, verbose)
-        self._depth = 0
-        self._xla_turned_off = False
-        self._previous_policy = None
         self._in_fit = False
 
     @property
@@ -142,16 +139,13 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
                 f"Received: a model of type {type(model).__name__}"
             )
+        # Attached for the length of the call (and of `evaluate` inside
+        # `fit`): the model puts back the policy and XLA when it ends, however
+        # it ends (`keras_memopt._oom.run_settings`), the one owner of that.
         if model.oom_policy is not self.policy:
-            # Not attached, or a call that raised (Keras then calls no
-            # `on_*_end`): the model has put its settings back.
-            self._depth, self._xla_turned_off = 0, False
-        if self._depth == 0:
             if model.micro_batch_jit_compile:
                 self._leave_xla(model)
-            self._previous_policy = model.oom_policy
             model.oom_policy = self.policy
-        self._depth += 1
 
     def _leave_xla(self, model):
         # Measured on TF 2.21 (CPU): after an out-of-memory error inside an
@@ -168,7 +162,6 @@ class OOMBackoff(keras.callbacks.Callback):
                 "XLA and drop OOMBackoff. Received: jit_compile=True"
             )
         model.micro_batch_jit_compile = False
-        self._xla_turned_off = True
         if self.verbose:
             _io.print_msg(
                 "OOMBackoff: running micro-batches without XLA while attached "
@@ -176,21 +169,8 @@ class OOMBackoff(keras.callbacks.Callback):
                 "cannot be recovered from."
             )
 
-    def _detach(self):
-        self._depth = max(0, self._depth - 1)
-        model = self.model
-        if self._depth or model is None:
-            return
-        if getattr(model, "oom_policy", None) is self.policy:
-            model.oom_policy = self._previous_policy
-        self._previous_policy = None
-        if self._xla_turned_off:
-            model.micro_batch_jit_compile = True
-            self._xla_turned_off = False
-
     def on_train_begin(self, logs=None):
         self.policy.reset()
-        self._depth = 0
         self._attach()
         self._in_fit = True
 
@@ -210,7 +190,6 @@ class OOMBackoff(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._in_fit = False
-        self._detach()
 
     def on_test_begin(self, logs=None):
         self._attach()
@@ -218,13 +197,9 @@ class OOMBackoff(keras.callbacks.Callback):
     def on_test_end(self, logs=None):
         if self._in_fit:
             _drop_cached_validation(self.model)
-        self._detach()
 
     def on_predict_begin(self, logs=None):
         self._attach()
-
-    def on_predict_end(self, logs=None):
-        self._detach()
 
 
 # Where `fit` keeps its validation data from one epoch to the next (Keras 3,

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras, _subprocess
-from keras_memopt._auto_search import headroom
+from keras_memopt._oom.auto_search import headroom
 
 keras = _keras.keras
 
@@ -78,12 +78,12 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
     parameters and optimizer slots count: the highest peak of `STEPS` steps
     after a tracing step, plus the margin `micro_batch_size="auto"` keeps
     (how far it rose above the median step peak,
-    `keras_memopt._auto_search.headroom`); None if it ran out of memory.
+    `keras_memopt._oom.auto_search.headroom`); None if it ran out of memory.
 
     Raises:
         RuntimeError: if `device` gives no allocator figures.
     """
-    from keras_memopt._oom_errors import is_oom
+    from keras_memopt._oom.errors import is_oom
 
     x, y = synthetic_batch(source, batch)
     gc.collect()

@@ -38,7 +38,9 @@ import math
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, memory
+from keras_memopt import _keras, memory
+from keras_memopt._oom.errors import UPDATE_RESERVATION_OP
+from keras_memopt._step import loop as _loop
 
 _KIB = 1024
 
@@ -138,12 +140,12 @@ class UpdateGuard:
         with tf.control_dependencies(summed):
             marked = self._began.assign(1, read_value=False)
             shape = tf.stack([self._reserve_kib.read_value(), _KIB])
-            block = tf.raw_ops.Empty(shape=shape, dtype=tf.uint8, name="update_reservation")
+            block = tf.raw_ops.Empty(shape=shape, dtype=tf.uint8, name=UPDATE_RESERVATION_OP)
             touched = tf.reduce_max(block[:1, :1])  # used, so that the graph keeps it
             watched = tf.cond(
                 self._watching.read_value(),
                 lambda: tf.py_function(
-                    self._update_begins, [replica], tf.int64, name="update_reservation"
+                    self._update_begins, [replica], tf.int64, name=UPDATE_RESERVATION_OP
                 ),
                 lambda: tf.constant(0, tf.int64),
             )
@@ -178,7 +180,7 @@ class UpdateGuard:
         """The check the update makes at its start, made now, on the host.
 
         For an update that runs after the workers agreed that the step goes
-        on (`keras_memopt._coordinator.SeveralWorkers`): an error inside it
+        on (`keras_memopt._oom.coordinator.SeveralWorkers`): an error inside it
         would leave the other workers waiting in its collective ops, so
         `prepare(..., check_in_step=False)` leaves it out of the step and
         the runner calls this before they agree. Returns the out-of-memory

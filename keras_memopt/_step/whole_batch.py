@@ -18,7 +18,7 @@ losses) makes it exact in three steps, here around Keras's own loss:
    random state of step 1 (the same dropout masks) and what it changes
    (BatchNormalization's moving statistics, seed states) put back afterwards,
    and back-propagates its rows of that gradient; the gradients add up in the
-   usual loop (`keras_memopt._loop.accumulate`).
+   usual loop (`keras_memopt._step.loop.accumulate`).
 
 The cost is one more forward pass per micro-batch. The gradient is the
 whole batch's for any loss of the outputs.
@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _replay
+from keras_memopt import _keras
+from keras_memopt._oom.errors import WHOLE_BATCH_LOSS_SCOPE
+from keras_memopt._remat import replay as _replay
+from keras_memopt._step import loop as _loop
 
 
 def _floating(tensor) -> bool:
@@ -87,7 +90,7 @@ class WholeBatch:
         )
         for state, shape in zip(states, state_shapes, strict=True):
             state.set_shape([None, *shape])
-        rows = _keras.static_batch_dim(data)
+        rows = _loop.static_batch_size(data)
         traced = tf.nest.flatten(structure[-1])
         masks, logits = iter(masks), iter(logits)
         outputs = []
@@ -118,7 +121,7 @@ class WholeBatch:
         floats = _differentiated(outputs)
         # Named, so that an out-of-memory error here is told from a
         # micro-batch's: no smaller micro-batch changes what the loss holds.
-        with tf.name_scope("whole_batch_loss"):
+        with tf.name_scope(WHOLE_BATCH_LOSS_SCOPE):
             with tf.GradientTape(persistent=True) as tape:
                 tape.watch(floats)
                 loss = loss_fn(outputs)

@@ -8,22 +8,27 @@ with the batch split:
   `_train_update` (one optimizer update, then the metrics' results);
 - with `whole_batch_loss=True`, `_train_gradients` and `_test_loss` are
   `_whole_batch_pass`: every micro-batch forward, the loss once on the whole
-  batch's outputs, every micro-batch backward (`keras_memopt._whole_batch`);
+  batch's outputs, every micro-batch backward (`keras_memopt._step.whole_batch`);
 - `test_step` = `_test_loss` then `_test_logs`; `predict_step` concatenates
   each micro-batch's predictions.
 
 Custom train steps use the same loop through `accumulate_gradients`
-(`keras_memopt._custom_steps`).
+(`keras_memopt._step.custom_steps`).
 
 The halves are separate so that several workers can agree between them
-whether any ran out of memory (`keras_memopt._coordinator`).
+whether any ran out of memory (`keras_memopt._oom.coordinator`).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _losses, _per_update, _shares, _whole_batch, distribute
+from keras_memopt import _keras, distribute
+from keras_memopt._step import loop as _loop
+from keras_memopt._step import losses as _losses
+from keras_memopt._step import per_update as _per_update
+from keras_memopt._step import shares as _shares
+from keras_memopt._step import whole_batch as _whole_batch
 
 
 class MicroBatchSteps:
@@ -56,9 +61,9 @@ class MicroBatchSteps:
         the first step is traced once; a model with no `call()` of its own
         (a GAN whose `train_step` calls its parts) is left to its step, as
         Keras leaves it. The model's own steps also check how their losses
-        split over micro-batches (`keras_memopt._losses.LossSplit.check`), a
+        split over micro-batches (`keras_memopt._step.losses.LossSplit.check`), a
         custom step the loss of its first `accumulate_gradients` call
-        (`keras_memopt._custom_steps`).
+        (`keras_memopt._step.custom_steps`).
         """
         local = distribute.first_replica_part(data, self.distribute_strategy)
         buildable = isinstance(self, _keras.Functional) or (
@@ -119,7 +124,7 @@ class MicroBatchSteps:
         each output's loss by, over the whole batch: counted before the loop
         where the first step's check found an output with a mask or a loss
         that ignores a class (`LossForm.counted_by`, see
-        `keras_memopt._losses`). `reductions` as for `_loop.accumulate`.
+        `keras_memopt._step.losses`). `reductions` as for `_loop.accumulate`.
         Returns the summed outputs and the scale that turns this replica's
         loss into its mean.
         """
@@ -134,7 +139,7 @@ class MicroBatchSteps:
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
         scale = _loop.share_of(batch_size, replica_batch)
-        trackers.apply(_keras.static_batch_dim(data[0]), scale)
+        trackers.apply(_loop.static_batch_size(data[0]), scale)
         return outputs, scale
 
     # -- training ------------------------------------------------------------------
@@ -188,7 +193,7 @@ class MicroBatchSteps:
 
     def _whole_batch_pass(self, data, training):
         """`whole_batch_loss=True`: `(loss, size, gradients)`, the loss of the whole
-        batch's outputs (`keras_memopt._whole_batch`); metrics see those outputs once."""
+        batch's outputs (`keras_memopt._step.whole_batch`); metrics see those outputs once."""
         if _per_update.PerUpdate(self):
             raise NotImplementedError(
                 "`whole_batch_loss=True` runs each micro-batch forward twice, which "

@@ -2,8 +2,8 @@
 
 A model that overrides `train_step` computes its gradients with
 `self.accumulate_gradients(...)`, the micro-batch loop of the model's own step
-(`keras_memopt._loop`), per micro-batch or, with `forward`, for a loss over
-the whole batch's outputs (`keras_memopt._whole_batch`). A custom step that
+(`keras_memopt._step.loop`), per micro-batch or, with `forward`, for a loss over
+the whole batch's outputs (`keras_memopt._step.whole_batch`). A custom step that
 calls neither it nor `super().train_step` saves no memory, and is told so.
 
 Before the first step, a custom step runs once eagerly on the batch's first
@@ -22,8 +22,11 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop, _rollback, _whole_batch
-from keras_memopt._loss_check import MEAN, first_samples, kind_of, repeat, what_changed
+from keras_memopt import _keras
+from keras_memopt._oom import rollback as _rollback
+from keras_memopt._step import loop as _loop
+from keras_memopt._step import whole_batch as _whole_batch
+from keras_memopt._step.loss_check import MEAN, first_samples, kind_of, repeat, what_changed
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 _CHECKED_CUSTOM_LOSSES: set[type] = set()

@@ -1,17 +1,17 @@
 """The out-of-memory backoff policy: shrink the micro-batch where that helps, else report.
 
 `BackoffPolicy` is what the step runner asks after an attempt at a step ran
-out of memory and was put back (`keras_memopt._runner`): it either sets the
+out of memory and was put back (`keras_memopt._step.runner`): it either sets the
 smaller micro-batch to retry the same batch with, or raises the one report
 that says why no smaller micro-batch can help. `OOMBackoff` (a callback) owns
 one and attaches it to the model for the length of `fit`, `evaluate` or
 `predict`; `micro_batch_size="auto"` uses the attached one, or a quiet one of
-its own (`keras_memopt._auto_search`).
+its own (`keras_memopt._oom.auto_search`).
 
-The rule, by where memory ran out (`keras_memopt._oom_errors.Phase`):
+The rule, by where memory ran out (`keras_memopt._oom.errors.Phase`):
 
 - in a micro-batch's forward and backward pass (or evaluation): multiply the
-  micro-batch size by `factor` (`keras_memopt._validation.shrink`), down to
+  micro-batch size by `factor` (`keras_memopt._oom.rule.shrink`), down to
   `min_micro_batch_size`, where the report is raised instead;
 - in the gradient sum or the optimizer update: no micro-batch size needs
   less memory there, so the report is raised at once;
@@ -30,7 +30,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_memopt import _io
-from keras_memopt._oom_errors import (
+from keras_memopt._oom.errors import (
     OutOfMemory,
     Phase,
     allocation_bytes,
@@ -38,7 +38,8 @@ from keras_memopt._oom_errors import (
     parse_oom,
     report,
 )
-from keras_memopt._validation import backoff_factor, positive_int, shrink
+from keras_memopt._oom.rule import backoff_factor, shrink
+from keras_memopt._validation import positive_int
 
 
 class BackoffPolicy:
@@ -74,6 +75,10 @@ class BackoffPolicy:
         (the largest replica's, where each has its own)."""
         self.trained_micro_batch_size = max(_sizes(micro_batch_size))
 
+    def shrunk(self, size: int) -> int:
+        """The micro-batch size after an out-of-memory error at `size`."""
+        return shrink(size, self.factor, self.min_micro_batch_size)
+
     def back_off(self, model, failure: OutOfMemory):
         """Sets the micro-batch size to retry with after `failure`, or raises the report.
 
@@ -92,8 +97,7 @@ class BackoffPolicy:
         # Per-replica sizes all shrink: the failed step does not say which
         # replica's memory ran out.
         shrunk = tuple(
-            size if size <= self.min_micro_batch_size
-            else shrink(size, self.factor, self.min_micro_batch_size)
+            size if size <= self.min_micro_batch_size else self.shrunk(size)
             for size in _sizes(current)
         )
         if model.accumulation_steps is not None:

@@ -12,7 +12,7 @@ out-of-memory error put back what the attempt changed (`keras_memopt.
 _rollback`), ask the policy (which sets a smaller micro-batch, or raises its
 report), and attempt the same batch again. Under several workers all agree
 on each attempt, before its collective part and after it
-(`keras_memopt._coordinator`). The micro-batch size is run-time state of
+(`keras_memopt._oom.coordinator`). The micro-batch size is run-time state of
 the step, so a retry traces nothing. An out-of-memory error is kept as its
 text, its tracebacks dropped: nothing of a failed attempt outlives the retry.
 """
@@ -24,29 +24,14 @@ import time
 
 import tensorflow as tf
 
-from keras_memopt import (
-    _coordinator,
-    _keras,
-    _oom_errors,
-    _rollback,
-    _shares,
-    distribute,
-    memory,
-    supervise,
-)
-from keras_memopt._auto_search import AutoSearch
-from keras_memopt._coordinator import StepStatus
-
-
-def static_replica_batch(data) -> int | None:
-    """The number of samples per replica in a batch of data, if known here."""
-    for leaf in tf.nest.flatten(data, expand_composites=False):
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            leaf = leaf.values[0]
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) and shape[0] is not None:
-            return int(shape[0])
-    return None
+from keras_memopt import _keras, distribute, memory, supervise
+from keras_memopt._oom import coordinator as _coordinator
+from keras_memopt._oom import errors as _oom_errors
+from keras_memopt._oom import rollback as _rollback
+from keras_memopt._oom.auto_search import AutoSearch
+from keras_memopt._oom.coordinator import StepStatus
+from keras_memopt._step import loop as _loop
+from keras_memopt._step import shares as _shares
 
 
 class StepRunner:
@@ -100,7 +85,7 @@ class StepRunner:
         return _joined(predictions) if self.kind == "predict" else outputs
 
     def _in_use(self, data):
-        return self.model._setting.in_use(static_replica_batch(data))
+        return self.model._setting.in_use(_loop.static_batch_size(data))
 
     def run(self, data, spec=None):
         """Runs one step on `data`; backs off and retries on out-of-memory."""
@@ -112,7 +97,7 @@ class StepRunner:
         if not self._prepared:
             self._prepare(data)
         if model.micro_batch_size == "auto":
-            self._search = AutoSearch(model, static_replica_batch(data))
+            self._search = AutoSearch(model, _loop.static_batch_size(data))
         search = self._search
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
@@ -122,7 +107,7 @@ class StepRunner:
             return coordinator.finish(coordinator.run(data, spec))
         outputs = self._with_retries(data, spec, policy)
         size = self._in_use(data)
-        if search is not None and search.stepped(static_replica_batch(data), self._peaks):
+        if search is not None and search.stepped(_loop.static_batch_size(data), self._peaks):
             self._search = None
         if self.kind == "train":
             policy.trained(size)
@@ -315,17 +300,14 @@ class StepRunner:
             return _oom_errors.Phase.UPDATE
         if self._guarded() and self.model._update_guard.update_began():
             return _oom_errors.Phase.UPDATE
-        op = (_oom_errors.parse_oom(str(error))["op"] or "") if error is not None else ""
-        if "gradient_sum" in op:
-            return _oom_errors.Phase.GRADIENT_SUM
-        if "whole_batch_loss" in op:
-            return _oom_errors.Phase.WHOLE_BATCH_LOSS
-        return _oom_errors.Phase.MICRO_BATCH
+        op = _oom_errors.parse_oom(str(error))["op"] if error is not None else None
+        return _oom_errors.scoped_phase(op) or _oom_errors.Phase.MICRO_BATCH
 
     def _update_refused(self, error) -> bool:
         """Whether the update's check or reservation failed: nothing of it ran."""
-        op = _oom_errors.parse_oom(str(error))["op"] or ""
-        return self.model._update_guard.refused() or "update_reservation" in op
+        op = _oom_errors.parse_oom(str(error))["op"]
+        phase = _oom_errors.scoped_phase(op)
+        return self.model._update_guard.refused() or phase is _oom_errors.Phase.UPDATE
 
     def _step_memory(self, size, device, in_use):
         """What the failed attempt at micro-batch `size` held on `device`, from `in_use` on."""

@@ -19,7 +19,8 @@ import enum
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _oom_errors, distribute
+from keras_memopt import _keras, distribute
+from keras_memopt._oom import errors as _oom_errors
 
 
 class StepStatus(enum.IntEnum):

@@ -235,6 +235,26 @@ class Phase(enum.Enum):
         return self in (Phase.MICRO_BATCH, Phase.EVALUATION)
 
 
+# The names that mark a phase in a step's op names: the step opens these name
+# scopes (and names the update's reservation op) and `scoped_phase` reads an
+# out-of-memory error's op by them.
+GRADIENT_SUM_SCOPE = "gradient_sum"
+WHOLE_BATCH_LOSS_SCOPE = "whole_batch_loss"
+UPDATE_RESERVATION_OP = "update_reservation"
+
+
+def scoped_phase(op: str | None) -> Phase | None:
+    """The phase an op's name marks, or None (a micro-batch's own ops)."""
+    op = op or ""
+    if GRADIENT_SUM_SCOPE in op:
+        return Phase.GRADIENT_SUM
+    if WHOLE_BATCH_LOSS_SCOPE in op:
+        return Phase.WHOLE_BATCH_LOSS
+    if UPDATE_RESERVATION_OP in op:
+        return Phase.UPDATE
+    return None
+
+
 @dataclasses.dataclass
 class StepMemory:
     """What a training step holds on the device, in bytes (None: not known).
@@ -292,7 +312,7 @@ class StepMemory:
 class OutOfMemory:
     """An out-of-memory error that ended an attempt at a step, once it was put back.
 
-    What the step runner hands to the policy (`keras_memopt._backoff.BackoffPolicy.back_off`):
+    What the step runner hands to the policy (`keras_memopt._oom.backoff.BackoffPolicy.back_off`):
     figures and the error's text, no exception (see `ErrorText`).
     """
 

@@ -21,7 +21,8 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop
+from keras_memopt import _keras
+from keras_memopt._step import loop as _loop
 
 
 def _padding_to_the_batch(model) -> list[str]:

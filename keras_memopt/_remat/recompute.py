@@ -5,7 +5,7 @@ arguments for the backward pass, which runs the call again (replaying its
 randomness, discarding its state updates) under a tape and differentiates
 it. `on_device(call, args, device)` runs a call and its backward pass on one
 device, recomputing nothing. `keras_memopt.Remat` and the segments of
-`keras_memopt._segments` are built on these.
+`keras_memopt._remat.segments` are built on these.
 
 Why not `keras.RematScope` / `keras.remat`: on the TensorFlow backend they
 fail inside graph-mode `fit()` when a layer takes keyword arguments such as
@@ -24,7 +24,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_memopt import _replay
+from keras_memopt._remat import replay as _replay
 
 try:  # The forward pass of a segment must not be recorded by an outer tape.
     from tensorflow.python.eager.record import stop_recording as _stop_recording

@@ -3,7 +3,7 @@
 `plan_segments(model, remat)` finds the cut points (`"auto"`: by activation
 sizes along the graph's separating tensors; or the named layers), and
 `SegmentPlan` runs the model as a chain of segments, each recomputed in the
-backward pass (`keras_memopt._recompute`) and/or placed on a device
+backward pass (`keras_memopt._remat.recompute`) and/or placed on a device
 (`keras_memopt.placement`). `AccumulatingModel(remat=...)` uses them.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import warnings
 
-from keras_memopt import _graph, _keras
-from keras_memopt._recompute import check_no_activity_regularizer, on, on_device, recompute
+from keras_memopt import _keras
+from keras_memopt._remat import graph as _graph
+from keras_memopt._remat.recompute import check_no_activity_regularizer, on, on_device, recompute
 
 
 def _estimate_peak(blocks, boundaries, cuts):
@@ -68,7 +69,7 @@ def plan_segments(model, remat):
     searched: a nested model is one node.
 
     Returns:
-        A list of node indices (the cut points) and the `keras_memopt._graph.Graph`.
+        A list of node indices (the cut points) and the `keras_memopt._remat.graph.Graph`.
     """
     graph = _graph.Graph(model)
     if remat == "auto":

@@ -20,7 +20,7 @@ repeated (`x2 + x2`), in inference mode and with no state left changed:
   the two, within the spread of its draws;
 - the `ignore_class` of each output's loss (`SparseCategoricalCrossentropy`),
   from its config: Keras divides such a loss by the elements not ignored, so
-  the micro-batches' shares count those (`keras_memopt._losses`).
+  the micro-batches' shares count those (`keras_memopt._step.losses`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _batch_dependence, _keras, _loop, _rollback
+from keras_memopt import _keras
+from keras_memopt._oom import rollback as _rollback
+from keras_memopt._step import batch_dependence as _batch_dependence
+from keras_memopt._step import loop as _loop
 
 MEAN, SUM = "mean", "sum"
 

@@ -19,7 +19,7 @@ The shares enter Keras's own loss computation as sample weights (scalars, so
 they broadcast onto any loss shape), so losses, masks, class and sample
 weights, `loss_weights` and distribution scaling stay Keras's. What each term
 does with the samples, and which class each output's loss ignores, is found
-once, at the first step (`keras_memopt._loss_check`).
+once, at the first step (`keras_memopt._step.loss_check`).
 
 Keras 3 updates each per-output loss tracker with the batch's *static* first
 dimension, unknown inside the loop (so each micro-batch counts as one); the
@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _loop
-from keras_memopt._loss_check import SUM, LossForm, check, has_compiled_loss, overrides
+from keras_memopt import _keras
+from keras_memopt._step import loop as _loop
+from keras_memopt._step.loss_check import SUM, LossForm, check, has_compiled_loss, overrides
 
 
 def check_mean_reduction(loss):
@@ -57,7 +58,7 @@ def check_mean_reduction(loss):
 class LossSplit:
     """How `model`'s loss splits over micro-batches.
 
-    `form` (a `keras_memopt._loss_check.LossForm`) is found by `check()` at the
+    `form` (a `keras_memopt._step.loss_check.LossForm`) is found by `check()` at the
     first step: the kind of each term of `model.losses`, and the class each
     output's loss ignores.
     """

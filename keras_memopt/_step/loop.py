@@ -24,7 +24,7 @@ How the loop is built, and why:
 - The loop runs with `parallel_iterations=1`, so TensorFlow cannot run two
   micro-batches side by side and keep both one's activations alive.
 - The micro-batch size is a tensor read at run time (see
-  `keras_memopt._setting`): changing it retraces nothing.
+  `keras_memopt._step.setting`): changing it retraces nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from __future__ import annotations
 import warnings
 
 import tensorflow as tf
+
+from keras_memopt._oom.errors import GRADIENT_SUM_SCOPE
 
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
 
@@ -56,6 +58,17 @@ def share_of(part, whole) -> tf.Tensor:
     model's loss.
     """
     return tf.cast(part, tf.float64) / tf.cast(whole, tf.float64)
+
+
+def static_batch_size(data) -> int | None:
+    """The number of samples in a batch (per replica), where its shapes say it, else None."""
+    for leaf in tf.nest.flatten(data, expand_composites=False):
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            leaf = leaf.values[0]
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) and shape[0] is not None:
+            return int(shape[0])
+    return None
 
 
 def batch_size_of(data):
@@ -179,7 +192,7 @@ def sum_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
     Runs outside any XLA-compiled function (`tf.unique` has no XLA kernel):
     after the loop, whose micro-batch functions alone are compiled.
     """
-    with tf.name_scope("gradient_sum"):
+    with tf.name_scope(GRADIENT_SUM_SCOPE):
         rows, positions = tf.unique(slices.indices)
         values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(rows)[0])
     return tf.IndexedSlices(values, rows, slices.dense_shape)
@@ -220,7 +233,7 @@ class _RunningSum:
 
     def add(self, state, index, value):
         # Named, so that an out-of-memory error here says it is the sum's.
-        with tf.name_scope("gradient_sum"):
+        with tf.name_scope(GRADIENT_SUM_SCOPE):
             if self.sparse:
                 rows = sum_rows(tf.IndexedSlices(
                     tf.concat([state[0], value.values], 0),

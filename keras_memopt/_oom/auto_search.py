@@ -24,8 +24,7 @@ import statistics
 import time
 
 from keras_memopt import _io, memory
-from keras_memopt._backoff import BackoffPolicy
-from keras_memopt._validation import shrink
+from keras_memopt._oom.backoff import BackoffPolicy
 from keras_memopt.memory import device_total
 
 
@@ -94,7 +93,7 @@ class AutoSearch:
         if fits or size <= self.policy.min_micro_batch_size:
             self._report_choice(size, checks)
             return True
-        smaller = shrink(size, self.policy.factor, self.policy.min_micro_batch_size)
+        smaller = self.policy.shrunk(size)
         _io.print_msg(
             f'micro_batch_size="auto": micro_batch_size={size} ran {self.STEPS} steps '
             f"but leaves less than the spread of their peaks free ({_describe(checks)}); "
