@@ -54,10 +54,10 @@ class SerializationMixin:
         remat, shares = setting.pop("remat", None), setting.pop("replica_shares", None)
         devices, device_cuts = setting.pop("devices", None), setting.pop("device_cuts", None)
         whole_batch_loss = setting.pop("whole_batch_loss", None) or False
-        self._setting.set(**setting)
+        self._run.setting.set(**setting)
         self._set_placement(devices, device_cuts)
         self._plan_segments(remat)
-        self._replica_shares = _shares.resolve_shares(shares, self.distribute_strategy)
+        self._run.replica_shares = _shares.resolve_shares(shares, self.distribute_strategy)
         self.whole_batch_loss = whole_batch_loss
 
     def save(self, filepath, *args, **kwargs):

@@ -14,6 +14,7 @@ from keras_memopt._step import shares as _shares
 from keras_memopt._step import update as _update
 from keras_memopt._step.custom_steps import CustomSteps
 from keras_memopt._step.setting import MicroBatchSetting
+from keras_memopt._step.state import RunState
 from keras_memopt._step.steps import MicroBatchSteps
 
 __all__ = ["AccumulatingModel"]
@@ -179,18 +180,12 @@ class AccumulatingModel(
             # every class up to `keras.Model` (AccumulatingModel's included).
             object.__setattr__(self, "__class__", functional_class(type(self)))
         super().__init__(*args, **kwargs)
-        # Plain holders: Keras must not track (nor save) their variables.
-        self._setting = setting
-        self._update_guard = _update.UpdateGuard()
-        self._replica_shares = shares
-        self._micro_batch_jit_compile = False
-        self._loss_split = _losses.LossSplit(self)
-        self._whole_batch_loss = whole_batch_loss
-        self._accumulating = False
-        self._probing = False
+        # A plain holder: Keras must not track (nor save) its variables.
+        self._run = RunState(setting, shares, whole_batch_loss)
+        self._run.loss_split = _losses.LossSplit(self)
         self.oom_policy = None
         self._set_placement(devices, device_cuts)
-        self._remat, self._segment_plan = None, None
+        self._remat = None
         self._plan_segments(remat)
 
     @classmethod
@@ -264,7 +259,7 @@ class AccumulatingModel(
         callback), takes effect at the next step and retraces nothing; while
         `accumulation_steps` is set, set that to None first.
         """
-        return self._setting.micro_batch_size
+        return self._run.setting.micro_batch_size
 
     @micro_batch_size.setter
     def micro_batch_size(self, value):
@@ -276,7 +271,7 @@ class AccumulatingModel(
 
         Set it as `micro_batch_size`; while that is set, set it to None first.
         """
-        return self._setting.accumulation_steps
+        return self._run.setting.accumulation_steps
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
@@ -289,7 +284,7 @@ class AccumulatingModel(
                 f"`{other}` is set ({other}={getattr(self, other)!r}): set "
                 f"`model.{other} = None` first. Received: {name}={value!r}"
             )
-        self._setting.set(**{name: value, other: None})
+        self._run.setting.set(**{name: value, other: None})
 
     @property
     def whole_batch_loss(self) -> bool:
@@ -298,31 +293,31 @@ class AccumulatingModel(
         Settable between fits, like `micro_batch_size`; the step is traced
         anew, and the loss is checked again at the next step.
         """
-        return self._whole_batch_loss
+        return self._run.whole_batch_loss
 
     @whole_batch_loss.setter
     def whole_batch_loss(self, value):
-        value = _validation.whole_batch_loss(value, self._replica_shares)
-        if value != self._whole_batch_loss:
-            self._whole_batch_loss = value
-            self._loss_split = _losses.LossSplit(self)
-            self._retrace()
+        value = _validation.whole_batch_loss(value, self._run.replica_shares)
+        if value != self._run.whole_batch_loss:
+            self._run.whole_batch_loss = value
+            self._run.loss_split = _losses.LossSplit(self)
+            self._run.retrace()
 
     @property
     def replica_shares(self) -> tuple[float, ...] | None:
         """Each replica's share of every batch, or None (even parts, as Keras splits)."""
-        return self._replica_shares
+        return self._run.replica_shares
 
     @property
     def micro_batch_jit_compile(self) -> bool:
         """Whether each micro-batch's step is compiled with XLA."""
-        return self._micro_batch_jit_compile
+        return self._run.jit_compile
 
     @micro_batch_jit_compile.setter
     def micro_batch_jit_compile(self, value: bool):
-        if bool(value) != self._micro_batch_jit_compile:
-            self._micro_batch_jit_compile = bool(value)
-            self._retrace()
+        if bool(value) != self._run.jit_compile:
+            self._run.jit_compile = bool(value)
+            self._run.retrace()
 
     def micro_batch_size_for(self, batch_size: int | None) -> int | tuple | None:
         """The micro-batch size a step on a batch of `batch_size` samples runs with.
@@ -330,14 +325,7 @@ class AccumulatingModel(
         Per replica under a distribution strategy; None when `batch_size` is
         None and the size depends on it.
         """
-        return self._setting.in_use(batch_size)
-
-    def _retrace(self):
-        """Makes the step functions trace again at their next step."""
-        for kind in ("train", "test", "predict"):
-            function = getattr(self, f"{kind}_function", None)
-            if isinstance(function, _runner.StepRunner):
-                function.reset()
+        return self._run.setting.in_use(batch_size)
 
     # -- compile and the step functions ------------------------------------------
 
@@ -345,8 +333,8 @@ class AccumulatingModel(
         _losses.check_mean_reduction(kwargs.get("loss", args[1] if len(args) > 1 else None))
         jit = placement.jit_compile(self._placement, jit_compile)
         super().compile(*args, **_keras.compile_kwargs(jit), **kwargs)
-        self._micro_batch_jit_compile = _keras.resolve_jit_compile(self, jit)
-        self._loss_split = _losses.LossSplit(self)
+        self._run.jit_compile = _keras.resolve_jit_compile(self, jit)
+        self._run.loss_split = _losses.LossSplit(self)
         if not _keras.LEGACY:
             self.jit_compile = False
         _update.chain_updates(self.optimizer, place_on_variable_device=self.devices is not None)
@@ -356,7 +344,8 @@ class AccumulatingModel(
     def _make_runner(self, kind, force):
         attribute = f"{kind}_function"
         if getattr(self, attribute, None) is None or force:
-            setattr(self, attribute, _runner.StepRunner(self, kind))
+            runner = _runner.StepRunner(self, self._step_functions(kind), self._run)
+            setattr(self, attribute, runner)
         return getattr(self, attribute)
 
     def make_train_function(self, force=False):
@@ -387,7 +376,7 @@ class AccumulatingModel(
         )
         loss = "once on the whole batch's outputs" if self.whole_batch_loss else "per micro-batch"
         return (
-            f" Micro-batches: {self._setting.describe()}\n"
+            f" Micro-batches: {self._run.setting.describe()}\n"
             f" Recomputation: {remat}\n"
             f" Loss: {loss} (whole_batch_loss={self.whole_batch_loss})"
         )

@@ -167,8 +167,8 @@ class RematMixin:
         plan = placement.build_plan(self, value, self._placement)
         # Plain holders: Keras must not track the segments as sublayers.
         self._remat = value if value is None or isinstance(value, str) else tuple(value)
-        self._segment_plan = plan
-        self._retrace()
+        self._run.segment_plan = plan
+        self._run.retrace()
 
     @property
     def recomputed_segments(self) -> list[list[str]]:
@@ -177,4 +177,4 @@ class RematMixin:
         What `remat` (`"auto"` or the names given) chose, in order; empty
         without recomputation.
         """
-        return _segments.recomputed_layer_names(self._segment_plan)
+        return _segments.recomputed_layer_names(self._run.segment_plan)

@@ -514,7 +514,7 @@ class TestAuto:
     def test_auto_shrinks_a_size_that_leaves_too_little_free(self, monkeypatch, capsys):
         """Without an out-of-memory error, where the device's total is below the
         highest step peak plus the spread: down to the smallest size allowed."""
-        from keras_memopt import _auto_search
+        from keras_memopt._oom import auto_search as _auto_search
 
         # What the search checks against (the update's own check is left alone).
         monkeypatch.setattr(_auto_search, "device_total", lambda device: 1)

@@ -66,10 +66,11 @@ class CustomSteps:
 
     def _checked_train_step(self, data):
         """`train_step`, warning once when a custom one splits nothing."""
-        self._accumulating = False
+        run = self._run
+        run.accumulating = False
         outputs = self.train_step(data)
         cls = type(self)
-        if not self._accumulating and self._setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
+        if not run.accumulating and run.setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
             _WARNED_CUSTOM_STEPS.add(cls)
             _warn_at(
                 cls.train_step,
@@ -103,7 +104,7 @@ class CustomSteps:
         # optimizer makes at its first update), put back from host memory.
         state = _rollback.HostCopy(_rollback.state_variables(self), self.distribute_strategy)
         made = _rollback.MadeVariables()
-        self._probing = True
+        self._run.probing = True
         try:
             with made.recording():
                 self.train_step(first_samples(data, 2))
@@ -113,7 +114,7 @@ class CustomSteps:
         except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
             return
         finally:
-            self._probing = False
+            self._run.probing = False
             state.restore()
             made.restore()
         if error is not None:
@@ -136,7 +137,7 @@ class CustomSteps:
     def _probe_own_step(self, data):
         """In the probe run, at `super().train_step(data)`: the model's own loss check, then out."""
         try:
-            self._loss_split.check(data, self._whole_batch_loss)
+            self._run.loss_split.check(data, self._run.whole_batch_loss)
         except ValueError as error:
             raise _Probed(None, error) from None
         raise _Probed(None)
@@ -211,15 +212,15 @@ class CustomSteps:
             self.d_optimizer.apply(grads, variables)
         ```
         """
-        self._accumulating = True
-        if self._probing:
+        self._run.accumulating = True
+        if self._run.probing:
             self._probe_loss(loss_fn, data, forward)
         _loop.check_splittable(data)
         variables = list(variables)
         optimizer = getattr(self, "optimizer", None) if optimizer is None else optimizer
         batch_size = _loop.batch_size_of(data)
-        size = self._setting.size_tensor(batch_size)
-        jit = self._micro_batch_jit_compile
+        size = self._run.setting.size_tensor(batch_size)
+        jit = self._run.jit_compile
         if forward is not None:
             whole = _whole_batch.WholeBatch(self, lambda micro: (forward(micro), tf.zeros([])), jit)
             loss, gradients, _ = whole.gradients(

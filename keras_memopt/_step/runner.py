@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -34,18 +35,44 @@ from keras_memopt._step import loop as _loop
 from keras_memopt._step import shares as _shares
 
 
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """What the model hands its step runner for one kind of step.
+
+    Attributes:
+        kind: "train", "test" or "predict".
+        step: the whole step, `step(data) -> outputs` (`model.train_step`).
+        prepare: `prepare(data)`, run once before the first step, on its batch.
+        halves: `(local, finish)`: the model's own step in two, the first
+            without collective ops, so that several workers can agree between
+            them; None for a custom step, which cannot be split.
+        own: whether `step` is the model's own (its update guarded, and the
+            loop's state all that a failed attempt changes before it).
+    """
+
+    kind: str
+    step: Callable
+    prepare: Callable
+    halves: tuple | None
+    own: bool
+
+
 class StepRunner:
     """`model.<kind>_function`: one step per batch, retried on out-of-memory.
 
     Args:
-        model: the `AccumulatingModel`.
-        kind: "train", "test" or "predict".
+        model: the `AccumulatingModel`, read through its public members.
+        functions: the `StepFunctions` to run.
+        state: the model's `RunState` (its setting and update guard).
     """
 
-    def __init__(self, model, kind):
+    def __init__(self, model, functions: StepFunctions, state):
         self.model = model
-        self.kind = kind
-        self._own = model._own_step(kind)
+        self.functions = functions
+        self.state = state
+        self.kind = functions.kind
+        self._own = functions.own
+        self._generation = state.generation
         self._one_worker = None
         self._several_workers = None
         self._prepared = False
@@ -54,14 +81,14 @@ class StepRunner:
         self._size_file = supervise.SizeFile()
         # What a failed attempt must put back: the loop's state for the
         # model's own step (its update is guarded), everything for a custom one.
-        state = _rollback.loop_variables if self._own else _rollback.state_variables
-        self._snapshot = _rollback.Snapshot(lambda: state(model), model.distribute_strategy)
+        kept = _rollback.loop_variables if self._own else _rollback.state_variables
+        self._snapshot = _rollback.Snapshot(lambda: kept(model), model.distribute_strategy)
 
     def reset(self):
         """Forgets the traced step: the next step prepares and traces it again."""
         self._prepared = False
         self._one_worker = self._several_workers = None
-        self.model._update_guard.forget()
+        self.state.guard.forget()
 
     def __call__(self, iterator):
         # Traced for what the iterator yields (its batch axis unknown where the
@@ -85,12 +112,15 @@ class StepRunner:
         return _joined(predictions) if self.kind == "predict" else outputs
 
     def _in_use(self, data):
-        return self.model._setting.in_use(_loop.static_batch_size(data))
+        return self.state.setting.in_use(_loop.static_batch_size(data))
 
     def run(self, data, spec=None):
         """Runs one step on `data`; backs off and retries on out-of-memory."""
         data = _keras.strip_optionals(data)
         model = self.model
+        if self._generation != self.state.generation:  # a setting that needs a new trace
+            self.reset()
+            self._generation = self.state.generation
         if model.replica_shares is not None:
             data = _shares.split_by_shares(data, model.distribute_strategy, model.replica_shares)
             spec = None  # the parts' shapes are not the iterator's
@@ -101,7 +131,7 @@ class StepRunner:
         search = self._search
         policy = search.policy if search is not None else model.oom_policy
         if policy is None:
-            model._update_guard.disarm()
+            self.state.guard.disarm()
             self._size_file.write(self._in_use(data))
             coordinator = self._coordinator(retrying=False)
             return coordinator.finish(coordinator.run(data, spec))
@@ -117,7 +147,7 @@ class StepRunner:
         """What the first step needs, made from its own batch (no other is taken)."""
         self._prepared = True
         with _oom_errors.state_must_fit():
-            self.model._prepare_step(self.kind, data)
+            self.functions.prepare(data)
 
     def _coordinator(self, retrying):
         """The step's functions: whole on one worker, or in three calls under several
@@ -126,12 +156,11 @@ class StepRunner:
         several = retrying and distribute.multi_worker(model.distribute_strategy)
         if not several:
             if self._one_worker is None:
-                step = model._checked_train_step if self.kind == "train" else None
-                step = step or getattr(model, f"{self.kind}_step")
+                step = self.functions.step
                 self._one_worker = _coordinator.OneWorker(model, self.kind, step)
             coordinator = self._one_worker
         else:
-            halves = model._step_halves(self.kind)
+            halves = self.functions.halves
             if halves is None:
                 raise ValueError(
                     "Under MultiWorkerMirroredStrategy, OOMBackoff and "
@@ -183,7 +212,7 @@ class StepRunner:
         attempt = _Attempt(size, _step_devices(model.distribute_strategy))
         taken = self._snapshot.take()
         host = None
-        guard = model._update_guard
+        guard = self.state.guard
         if self._guarded() and not guard.prepare(size, attempt.devices, check_in_step=not several):
             host = _rollback.HostCopy(_rollback.update_variables(model), model.distribute_strategy)
         attempt.in_use = [memory.reset_step_peak(device) for device in attempt.devices][0]
@@ -219,7 +248,7 @@ class StepRunner:
         memory whose policy would refuse says FAILED, with the report.
         """
         if status == StepStatus.OK and self._guarded():
-            refused = self.model._update_guard.check()
+            refused = self.state.guard.check()
             if refused is not None:
                 status = StepStatus.OUT_OF_MEMORY
                 error = _oom_errors.ErrorText("ResourceExhaustedError", refused)
@@ -231,7 +260,7 @@ class StepRunner:
     def _ran(self, attempt):
         """After an attempt that ran: its peaks (the loop's and the update's, where
         the guard measured the update in a window of its own); what the update needed."""
-        guard = self.model._update_guard
+        guard = self.state.guard
         self._peaks = {
             device: max(
                 (p for p in (guard.loop_peak(device), memory.step_peak(device)) if p is not None),
@@ -298,7 +327,7 @@ class StepRunner:
             return _oom_errors.Phase.EVALUATION
         if error is not None and self._update_refused(error):
             return _oom_errors.Phase.UPDATE
-        if self._guarded() and self.model._update_guard.update_began():
+        if self._guarded() and self.state.guard.update_began():
             return _oom_errors.Phase.UPDATE
         op = _oom_errors.parse_oom(str(error))["op"] if error is not None else None
         return _oom_errors.scoped_phase(op) or _oom_errors.Phase.MICRO_BATCH
@@ -307,12 +336,12 @@ class StepRunner:
         """Whether the update's check or reservation failed: nothing of it ran."""
         op = _oom_errors.parse_oom(str(error))["op"]
         phase = _oom_errors.scoped_phase(op)
-        return self.model._update_guard.refused() or phase is _oom_errors.Phase.UPDATE
+        return self.state.guard.refused() or phase is _oom_errors.Phase.UPDATE
 
     def _step_memory(self, size, device, in_use):
         """What the failed attempt at micro-batch `size` held on `device`, from `in_use` on."""
         model = self.model
-        guard = model._update_guard
+        guard = self.state.guard
         # The loop's peak: read when the update began, in an attempt that
         # measured it (a new window started there); else the attempt's peak.
         peak = guard.loop_peak(device) or memory.step_peak(device)

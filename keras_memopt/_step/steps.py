@@ -21,6 +21,8 @@ whether any ran out of memory (`keras_memopt._oom.coordinator`).
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from keras_memopt import _keras, distribute
@@ -29,30 +31,29 @@ from keras_memopt._step import losses as _losses
 from keras_memopt._step import per_update as _per_update
 from keras_memopt._step import shares as _shares
 from keras_memopt._step import whole_batch as _whole_batch
+from keras_memopt._step.runner import StepFunctions
 
 
 class MicroBatchSteps:
     """The steps of `AccumulatingModel` (a mixin: see that class)."""
 
-    def _own_step(self, kind) -> bool:
-        """Whether the model runs this mixin's `<kind>_step` (not its own override)."""
-        name = f"{kind}_step"
-        return getattr(type(self), name) is getattr(MicroBatchSteps, name)
-
-    def _step_halves(self, kind):
-        """`(local, finish)`: the own `kind` step in two halves, the first
-        without collective ops, or None for a custom step."""
-        if not self._own_step(kind):
-            return None
-        if kind == "train":
-            return self._train_gradients, lambda outputs: self._train_update(*outputs)
-        if kind == "test":
-            return self._test_loss, lambda outputs: self._test_logs(*outputs)
-        return self.predict_step, None
+    def _step_functions(self, kind) -> StepFunctions:
+        """What the step runner of `kind` runs: the step, its preparation, its halves."""
+        own = getattr(type(self), f"{kind}_step") is getattr(MicroBatchSteps, f"{kind}_step")
+        halves = None  # a custom step cannot be split
+        if own and kind == "train":
+            halves = self._train_gradients, lambda outputs: self._train_update(*outputs)
+        elif own and kind == "test":
+            halves = self._test_loss, lambda outputs: self._test_logs(*outputs)
+        elif own:
+            halves = self.predict_step, None
+        step = self._checked_train_step if kind == "train" else getattr(self, f"{kind}_step")
+        prepare = functools.partial(self._prepare_step, kind, own=own)
+        return StepFunctions(kind, step, prepare, halves, own)
 
     # -- what every step does first ------------------------------------------------
 
-    def _prepare_step(self, kind, data):
+    def _prepare_step(self, kind, data, own):
         """Makes, from the first step's own batch, what it would make while traced.
 
         Keras 3 builds the model, the compiled metrics and losses and the
@@ -71,14 +72,14 @@ class MicroBatchSteps:
         )
         if buildable and not _keras.LEGACY and kind != "predict":
             _keras.symbolic_build(self, local)
-        if kind != "predict" and self._own_step(kind):
-            self._loss_split.check(local, self._whole_batch_loss)
+        if kind != "predict" and own:
+            self._run.loss_split.check(local, self._run.whole_batch_loss)
         elif kind == "train":
             self._check_custom_loss(local)
 
     def _forward(self, x, training):
         # Recomputed segments matter in training only; placed ones always.
-        plan = self._segment_plan
+        plan = self._run.segment_plan
         if plan is not None and (training or plan.placed):
             return plan(x, training=training)
         return self(x, training=training)
@@ -129,9 +130,9 @@ class MicroBatchSteps:
         loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
-        size = self._setting.size_tensor(replica_batch)
-        jit = self._micro_batch_jit_compile
-        counts = self._loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
+        size = self._run.setting.size_tensor(replica_batch)
+        jit = self._run.jit_compile
+        counts = self._run.loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
         trackers = _losses.OutputLossTrackers(self)
         outputs = _loop.accumulate(
             micro_step, data, size, counts, jit_compile=jit, reductions=reductions
@@ -145,18 +146,18 @@ class MicroBatchSteps:
     # -- training ------------------------------------------------------------------
 
     def train_step(self, data):
-        self._accumulating = True
-        if self._probing:  # a custom step's `super().train_step`, checked before the first step
+        self._run.accumulating = True
+        if self._run.probing:  # a custom step's `super().train_step`, checked before the first step
             self._probe_own_step(data)
         return self._train_update(*self._train_gradients(data))
 
     def _train_gradients(self, data):
         """The batch's loss, size and summed gradients: the micro-batch loop, no update."""
-        if self._whole_batch_loss:
+        if self._run.whole_batch_loss:
             return self._whole_batch_pass(data, training=True)
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
-        batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
+        batch_size = _shares.effective_batch_size(replica_batch, self._run.replica_shares)
         variables = self.trainable_variables
         per_update = _per_update.PerUpdate(self)  # tfmot's: advanced once per update
         starts = per_update.starts()
@@ -166,7 +167,7 @@ class MicroBatchSteps:
             restarts = per_update.restart(starts)
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
                 y_pred = self._forward(micro_x, training=True)
-                loss = self._loss_split.micro_batch_loss(
+                loss = self._run.loss_split.micro_batch_loss(
                     micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=True
                 )
                 scaled = _keras.scale_loss(self.optimizer, loss)
@@ -186,7 +187,7 @@ class MicroBatchSteps:
         _keras.track_loss(self, loss, batch_size)
         variables = self.trainable_variables
         if variables:
-            began = self._update_guard.begin(gradients)
+            began = self._run.guard.begin(gradients)
             with tf.control_dependencies([began]):
                 _keras.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
@@ -203,18 +204,18 @@ class MicroBatchSteps:
             )
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
-        size = self._setting.size_tensor(replica_batch)
+        size = self._run.setting.size_tensor(replica_batch)
 
         def forward(micro):
             share = _loop.share_of(_loop.batch_size_of(micro), replica_batch)
             y_pred = self._forward(micro[0], training=training)
-            return y_pred, self._loss_split.penalty(share)
+            return y_pred, self._run.loss_split.penalty(share)
 
         def loss_fn(y_pred, penalty):
-            split = self._loss_split
+            split = self._run.loss_split
             return split.whole_batch_loss(x, y, y_pred, sample_weight, penalty, training)
 
-        whole = _whole_batch.WholeBatch(self, forward, self._micro_batch_jit_compile)
+        whole = _whole_batch.WholeBatch(self, forward, self._run.jit_compile)
         gradients = None
         if training:
             loss, gradients, y_pred = whole.gradients(
@@ -233,16 +234,16 @@ class MicroBatchSteps:
 
     def _test_loss(self, data):
         """The batch's loss and size, metrics updated; no collective op."""
-        if self._whole_batch_loss:
+        if self._run.whole_batch_loss:
             return self._whole_batch_pass(data, training=False)[:2]
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
-        batch_size = _shares.effective_batch_size(replica_batch, self._replica_shares)
+        batch_size = _shares.effective_batch_size(replica_batch, self._run.replica_shares)
 
         def micro_step(micro, counts):
             micro_x, micro_y, micro_weight = micro
             y_pred = self._forward(micro_x, training=False)
-            loss = self._loss_split.micro_batch_loss(
+            loss = self._run.loss_split.micro_batch_loss(
                 micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
@@ -261,5 +262,5 @@ class MicroBatchSteps:
         self._build_before_loop(x)
         if not [t for t in tf.nest.flatten(x) if t is not None]:
             return self._forward(x, training=False)  # Keras says what is missing
-        size = self._setting.size_tensor(_loop.batch_size_of(x))
+        size = self._run.setting.size_tensor(_loop.batch_size_of(x))
         return _loop.concatenate(lambda micro_x: self._forward(micro_x, training=False), x, size)
