@@ -192,12 +192,6 @@ def carry_logits(tensor, logits, like):
     return _LOGIT_OPS[like.op.type](logits)
 
 
-def clear_losses(model):
-    """Forgets the `add_loss` terms of the model's last call (their tensors may
-    live in a loop that has ended); weight regularisers stay in `model.losses`."""
-    model._clear_losses()
-
-
 @contextlib.contextmanager
 def losses_replaced(model, terms):
     """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
@@ -411,3 +405,35 @@ def move_variable(variable, device):
     old = variable.value
     with tf.init_scope(), tf.device(device):
         variable._initialize(old.read_value())
+
+
+# Where `fit` keeps its validation data from one epoch to the next (Keras 3,
+# tf_keras), what adapts the data, and the validation steps (None: all).
+_CACHED_VALIDATION = (
+    ("_eval_epoch_iterator", "data_adapter", "steps_per_epoch"),
+    ("_eval_data_handler", "_adapter", "_steps_per_epoch"),
+)
+_ARRAY_ADAPTERS = {"ArrayDataAdapter", "TensorLikeDataAdapter"}
+
+
+def drop_cached_validation(model):
+    """Lets go of the validation arrays `fit` keeps between epochs.
+
+    Keras converts `validation_data` given as arrays into tensors at the
+    first validation and keeps them until `fit` ends, in the device's
+    allocator: every training step after the first epoch then has that much
+    less memory than the steps that found the micro-batch size (measured:
+    4 MiB of validation arrays held 7 MiB, and a size that had trained the
+    first epoch ran out of memory in the second). Dropped, Keras converts
+    them again at the next validation. Only where every validation runs
+    through the arrays from the start (`validation_steps=None`), so that no
+    batch of a validation changes. (tf_keras's data handler lives on in
+    reference cycles until the next epoch's collection, `on_epoch_begin`.)
+    """
+    for name, adapter, steps in _CACHED_VALIDATION:
+        cached = getattr(model, name, None)
+        if cached is None or getattr(cached, steps, None) is not None:
+            continue
+        kinds = {kind.__name__ for kind in type(getattr(cached, adapter, None)).__mro__}
+        if kinds & _ARRAY_ADAPTERS:
+            setattr(model, name, None)

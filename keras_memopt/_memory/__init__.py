@@ -1,0 +1,1 @@
+"""Reading memory: the allocator's figures, byte sizes, and `MemoryLogger`'s outputs."""

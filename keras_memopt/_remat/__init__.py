@@ -1,0 +1,1 @@
+"""Recomputation: a functional model's graph, its segments, and their custom gradient."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from keras_memopt import _keras, distribute, memory, supervise
+from keras_memopt._memory.sizes import bytes_if_known
 from keras_memopt._oom import coordinator as _coordinator
 from keras_memopt._oom import errors as _oom_errors
 from keras_memopt._oom import rollback as _rollback
@@ -346,19 +347,17 @@ class StepRunner:
         # measured it (a new window started there); else the attempt's peak.
         peak = guard.loop_peak(device) or memory.step_peak(device)
         optimizer = getattr(model, "optimizer", None)
-        trainable = model.trainable_variables
+        gradients = [bytes_if_known(v.shape, "float32") for v in model.trainable_variables]
         return _oom_errors.StepMemory(
             weights=_bytes(model.variables),
             optimizer_state=_bytes(_keras.optimizer_variables(optimizer)) if optimizer else 0,
-            gradient_sum=sum(_elements(v) * 4 for v in trainable),
-            largest_gradient=max((_elements(v) * 4 for v in trainable), default=0),
+            gradient_sum=sum(gradients),
+            largest_gradient=max(gradients, default=0),
             update=guard.need(size),
             step_peak=None if peak is None or in_use is None else peak - in_use,
             micro_batch_size=size,
             device_total=memory.device_total(device),
         )
-
-
 
 
 def _joined(predictions):
@@ -396,12 +395,8 @@ def _stop(error, refusal, partial):
     )
 
 
-def _elements(variable) -> int:
-    return int(tf.TensorShape(variable.shape).num_elements() or 0)
-
-
 def _bytes(variables) -> int:
-    return sum(_elements(v) * tf.as_dtype(v.dtype).size for v in variables)
+    return sum(bytes_if_known(v.shape, v.dtype) for v in variables)
 
 
 def _step_devices(strategy) -> list[str]:

@@ -196,39 +196,7 @@ class OOMBackoff(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         if self._in_fit:
-            _drop_cached_validation(self.model)
+            _keras.drop_cached_validation(self.model)
 
     def on_predict_begin(self, logs=None):
         self._attach()
-
-
-# Where `fit` keeps its validation data from one epoch to the next (Keras 3,
-# tf_keras), what adapts the data, and the validation steps (None: all).
-_CACHED_VALIDATION = (
-    ("_eval_epoch_iterator", "data_adapter", "steps_per_epoch"),
-    ("_eval_data_handler", "_adapter", "_steps_per_epoch"),
-)
-_ARRAY_ADAPTERS = {"ArrayDataAdapter", "TensorLikeDataAdapter"}
-
-
-def _drop_cached_validation(model):
-    """Lets go of the validation arrays `fit` keeps between epochs.
-
-    Keras converts `validation_data` given as arrays into tensors at the
-    first validation and keeps them until `fit` ends, in the device's
-    allocator: every training step after the first epoch then has that much
-    less memory than the steps that found the micro-batch size (measured:
-    4 MiB of validation arrays held 7 MiB, and a size that had trained the
-    first epoch ran out of memory in the second). Dropped, Keras converts
-    them again at the next validation. Only where every validation runs
-    through the arrays from the start (`validation_steps=None`), so that no
-    batch of a validation changes. (tf_keras's data handler lives on in
-    reference cycles until the next epoch's collection, `on_epoch_begin`.)
-    """
-    for name, adapter, steps in _CACHED_VALIDATION:
-        cached = getattr(model, name, None)
-        if cached is None or getattr(cached, steps, None) is not None:
-            continue
-        kinds = {kind.__name__ for kind in type(getattr(cached, adapter, None)).__mro__}
-        if kinds & _ARRAY_ADAPTERS:
-            setattr(model, name, None)
