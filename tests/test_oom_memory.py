@@ -331,7 +331,11 @@ def test_later_epochs_start_their_steps_with_the_memory_of_the_first():
     first = starts.starts[0][1:]  # the first step makes the optimizer's variables
     assert len(first) == 2
     for later in starts.starts[1:]:
-        assert abs(max(later[1:]) - max(first)) <= MIB / 4, starts.starts
+        # What stayed would be in use at every later step (4 MiB and more).
+        # One step's start is not a steady figure on tf_keras: the step after
+        # an epoch's first starts with one batch more or not (8.5 or 12.2 MiB,
+        # with no garbage to collect), as TensorFlow's threads run ahead.
+        assert abs(min(later[1:]) - min(first)) <= MIB / 4, starts.starts
 
 
 def test_the_callback_keeps_figures_of_a_backoff_not_the_error():
