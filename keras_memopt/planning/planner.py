@@ -129,6 +129,7 @@ class MemoryPlanner:
         self._calibration = None
         self._cannot_isolate = None  # why a fresh process cannot rebuild the model
         self.layers = _estimate.layer_table(model)
+        self._activations = None  # traced on first use
 
     # -- shapes ---------------------------------------------------------------------
 
@@ -139,8 +140,14 @@ class MemoryPlanner:
 
     @property
     def activation_bytes_per_sample(self) -> int:
-        """Activation bytes one sample keeps alive for the backward pass."""
-        return sum(size for _, _, size, _ in self.layers)
+        """Activation bytes one more sample adds at the step's peak (from the traced step)."""
+        return int(self._step_activations().per_sample)
+
+    def _step_activations(self):
+        if self._activations is None:
+            cpu = "GPU" not in self._profile_device().upper()
+            self._activations = _estimate.StepActivations(self.model, cpu=cpu)
+        return self._activations
 
     # -- estimate, profile, plan ------------------------------------------------
 
@@ -167,7 +174,7 @@ class MemoryPlanner:
         micro = min(positive_int("micro_batch_size", micro), batch_size)
         estimate = _estimate.MemoryEstimate.of_step(
             _estimate.WeightBytes.of(self.model, self.optimizer), batch_size, micro,
-            batch_size * self.input_bytes_per_sample, micro * self.activation_bytes_per_sample,
+            batch_size * self.input_bytes_per_sample, self._step_activations().bytes(micro),
         )
         if self._calibration is not None:
             estimate.overhead = int(self._calibration.peak_at(batch_size, micro)) - estimate.peak
