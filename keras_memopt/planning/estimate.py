@@ -286,10 +286,12 @@ class MemoryEstimate:
     in it); True, read from measured train steps (`overhead` is then what the
     measurement adds to the counted parts).
 
-    The activations' peak (in the backward pass) and the optimizer update's
-    (its temporaries while it updates a variable, estimated as twice the
-    largest trainable variable: measured 1 to 3 times with Adam and RMSprop
-    on a CPU) come at different times: the step's peak has the larger.
+    The activations' peak (in the backward pass, beside the micro-batch's
+    gradients) and the optimizer update's (its temporaries while it updates
+    a variable, estimated as twice the largest trainable variable: measured
+    1 to 3 times with Adam and RMSprop on a CPU; beside the gradient sum, or
+    with one micro-batch the gradients) come at different times: the step's
+    peak has the larger.
     """
 
     batch_size: int
@@ -334,9 +336,16 @@ class MemoryEstimate:
             + self.gradient_accumulators
             + self.micro_gradients
             + self.input_batch
-            + max(self.activations, self.optimizer_update)
+            + max(self.activations, self._update_beyond_gradients())
             + self.overhead
         )
+
+    def _update_beyond_gradients(self):
+        """What the update holds beyond a micro-batch's gradients: its temporaries,
+        less those gradients where it applies the sum after the loop."""
+        if self.gradient_accumulators:
+            return self.optimizer_update - self.micro_gradients
+        return self.optimizer_update
 
     def rows(self):
         """(part, bytes) rows for a table, the peak last."""
@@ -348,9 +357,9 @@ class MemoryEstimate:
             (f"input batch ({_samples(self.batch_size)})", self.input_batch),
             (f"activations ({_samples(self.micro_batch_size)})", self.activations),
         ]
-        if self.optimizer_update > self.activations:
-            parts.append(("optimizer update, beyond the activations",
-                          self.optimizer_update - self.activations))
+        update = self._update_beyond_gradients()
+        if update > self.activations:
+            parts.append(("optimizer update, beyond the activations", update - self.activations))
         if self.overhead or self.calibrated:
             parts.append(("measured, not counted above", self.overhead))
         kind = "measured" if self.calibrated else "shapes only"
