@@ -249,10 +249,19 @@ def candidates(count):
     return found
 
 
+def estimates(traced, batch):
+    """{cuts: (description, estimated peak in bytes at `batch` samples)} of `candidates`."""
+    return {
+        cuts: (name, traced.profile(list(cuts)).peak(batch))
+        for cuts, name in candidates(traced.count).items()
+    }
+
+
 def choose(traced, batch):
     """The `Choice` among `candidates` for `traced` at `batch` samples."""
-    peaks = {cuts: traced.profile(list(cuts)).peak(batch) for cuts in candidates(traced.count)}
-    names = candidates(traced.count)
+    estimated = estimates(traced, batch)
+    peaks = {cuts: peak for cuts, (_, peak) in estimated.items()}
+    names = {cuts: name for cuts, (name, _) in estimated.items()}
     lowest = min(peaks.values())
     near = [cuts for cuts, peak in peaks.items() if peak <= lowest * (1 + _TIE)]
     best = min(near, key=lambda cuts: (traced.recomputed_bytes(cuts), -len(cuts)))

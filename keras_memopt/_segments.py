@@ -96,10 +96,7 @@ def plan_segments(model, remat, batch=None) -> Cuts:
             [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
         )
         return Cuts(cuts, graph)
-    separators = graph.separators()
-    regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
-    if regularised:  # Everything up to the last cut is recomputed.
-        separators = [i for i in separators if i < regularised[0]]
+    separators = _candidate_separators(graph)
     if batch is None:
         size = getattr(model, "micro_batch_size", None)
         batch = size if isinstance(size, int) else _NOMINAL_BATCH
@@ -116,6 +113,37 @@ def plan_segments(model, remat, batch=None) -> Cuts:
         )
         return Cuts([], graph, note)
     return Cuts([separators[i] for i in chosen], graph, note)
+
+
+def _candidate_separators(graph):
+    """The cut points `remat="auto"` considers: up to the first regularised layer."""
+    separators = graph.separators()
+    regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
+    if regularised:  # Everything up to the last cut is recomputed.
+        separators = [i for i in separators if i < regularised[0]]
+    return separators
+
+
+def estimated_candidates(model, batch):
+    """[(description, cut layers' names, estimated peak in bytes)] for `remat="auto"`'s
+    candidates at `batch` samples, lowest estimate first.
+
+    Raises:
+        ValueError: if the model has no tensor that separates its graph.
+    """
+    graph = _graph.Graph(model)
+    separators = _candidate_separators(graph)
+    if not separators:
+        raise ValueError(
+            f"Model {model.name!r} has no tensor that separates its graph: there is no "
+            "segment to recompute. Received: model=" + repr(model.name)
+        )
+    traced = _remat_choice.TracedUnits(model, SegmentPlan(model, separators, graph).segments)
+    found = [
+        (name, [graph.nodes[separators[i]][0].name for i in cuts], peak)
+        for cuts, (name, peak) in _remat_choice.estimates(traced, batch).items()
+    ]
+    return sorted(found, key=lambda row: row[2])
 
 
 def _auto_cuts(model, graph, separators, batch):

@@ -407,6 +407,46 @@ class TestProfiledPlan:
         assert int(micro) < float(failed)
 
 
+class TestCompareRemat:
+    def test_measures_the_shortlist_and_orders_it_by_the_measured_peak(self, keras_module):
+        layers = keras_module.layers
+        inputs = keras_module.Input((16, 16, 3))
+        x = inputs
+        for _ in range(3):
+            x = layers.Conv2D(8, 3, padding="same", use_bias=False)(x)
+            x = layers.Activation("relu")(layers.BatchNormalization()(x))
+        model = keras_module.Model(
+            inputs, layers.Dense(3)(layers.GlobalAveragePooling2D()(x))
+        )
+        # In this process, to keep the test short (isolation has tests of its own).
+        planner = MemoryPlanner(model, optimizer="sgd", device="CPU:0", isolate=False)
+        rows = planner.compare_remat(32, count=3)
+        assert 2 <= len(rows) <= 3
+        assert any(row.remat is None and row.description == "none" for row in rows)
+        measured = [row.measured for row in rows]
+        assert measured == sorted(measured) and all(m > 0 for m in measured)
+        names = {layer.name for layer in model.layers}
+        for row in rows:  # each is a `remat=` that AccumulatingModel takes
+            assert row.remat is None or set(row.remat) <= names
+            AccumulatingModel.from_model(model, remat=row.remat)
+
+    def test_a_model_with_nothing_to_cut_is_refused(self, keras_module):
+        class Net(keras_module.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras_module.layers.Dense(3)
+
+            def call(self, x):
+                return self.dense(x)
+
+        net = Net()
+        net(np.zeros((1, 4), "float32"))
+        # Wrapped whole, the subclassed model is one node: nothing separates.
+        planner = MemoryPlanner(AccumulatingModel.from_model(net))
+        with pytest.raises(ValueError, match="no tensor that separates its graph.*Received"):
+            planner.compare_remat(8)
+
+
 class TestBytes:
     def test_unknown_dimensions_are_not_guessed_unless_asked(self, keras_module):
         from keras_memopt.memory import bytes_if_known, bytes_per_sample

@@ -11,6 +11,7 @@ from keras_memopt._validation import positive_int
 from keras_memopt.memory import default_device, format_bytes, parse_bytes
 from keras_memopt.planning import estimate as _estimate
 from keras_memopt.planning import measure as _measure
+from keras_memopt.planning import remat_plan as _remat_plan
 from keras_memopt.planning.calibration import Calibration
 from keras_memopt.planning.plan import (
     MEASURED_MARGIN,
@@ -364,6 +365,40 @@ class MemoryPlanner:
         return MemoryPlan(
             batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
         )
+
+    def compare_remat(
+        self, batch_size: int, micro_batch_size: int | None = None, count: int = 4,
+        verbose: int = 0,
+    ) -> list[_remat_plan.RematCandidate]:
+        """Measures the recomputation settings `remat="auto"` weighs, lowest peak first.
+
+        `remat="auto"` chooses from estimated peaks; where candidates are
+        close, what the estimate cannot see decides. This measures the lowest
+        estimate, no recomputation, a segment at every cut point and the
+        others within 25% of the lowest estimate (at most `count`), each as
+        `profile()` measures (a fresh process per setting on a CPU), at
+        `batch_size` in micro-batches of `micro_batch_size`. Pass the first
+        one's `remat` to `AccumulatingModel`.
+
+        Args:
+            batch_size: int, the effective batch.
+            micro_batch_size: int, samples per micro-batch. Defaults to
+                `batch_size`.
+            count: int, the most settings to measure. Defaults to 4.
+            verbose: int, 1 to print a line per measurement. Defaults to 0.
+
+        Returns:
+            A list of `RematCandidate` (description, `remat`, estimated and
+            measured peak in bytes), lowest measured first.
+
+        Raises:
+            ValueError: for a model that is not functional or has no tensor
+                that separates its graph, or an invalid size.
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        micro = positive_int("micro_batch_size", micro_batch_size or batch_size)
+        count = positive_int("count", count)
+        return _remat_plan.compare(self, batch_size, min(micro, batch_size), count, verbose)
 
     def _check_fixed_part_fits(self, batch_size, budget, usable, margin):
         fixed = _estimate.WeightBytes.of(self.model, self.optimizer).total
