@@ -255,7 +255,7 @@ class StepGraph:
         kept: tensors alive to the end of the step (the gradients it returns).
         cpu: bool, whether to count the working memory of TensorFlow's CPU
             convolution gradient kernels (a fixed patch buffer of up to 30 MiB
-            each, while each runs). Defaults to True.
+            each, while it or its sibling gradient runs). Defaults to True.
 
     Attributes:
         ops: the graph's ops in the order they were made.
@@ -284,13 +284,22 @@ class StepGraph:
                         self.kept.add(buffer)
                 if buffer is not None:
                     self.buffer_of[tensor.ref()] = buffer
+        # A convolution's input and filter gradients read the same incoming
+        # gradient and run side by side (several inter-op threads, as by
+        # default): each one's patch buffer is alive while either runs.
+        scratch_users = {}
         for i, op in enumerate(self.ops if cpu else ()):
             scratch = _cpu_scratch(op)
-            if scratch:  # alive while its op runs
+            if scratch:
                 sizes.append((0, scratch))
                 self.producer.append(i)
+                scratch_users.setdefault(op.inputs[2].ref(), []).append((len(sizes) - 1, i))
         self.sizes = np.array(sizes, dtype=np.float64).reshape(-1, 2)
         self.users = [[] for _ in sizes]
+        for pair in scratch_users.values():
+            for buffer, _ in pair:
+                self.producer[buffer] = min(op for _, op in pair)
+                self.users[buffer] = [op for _, op in pair]
         for i, op in enumerate(self.ops):
             if op.type in _SHAPE_READERS:
                 continue
