@@ -2,11 +2,12 @@
 
 The candidate cut points are the tensors that separate a functional model's
 graph (`keras_memopt._graph`); between consecutive ones lie *units* (a
-block of a chain, a residual block, the head after the last one). The model
-is traced once, unit by unit, forward pass and gradient
-(`keras_memopt._liveness`), and every op is labelled with its unit: a
-forward op by the unit that made it, a gradient op by the earliest unit
-whose tensors it reads (directly or through the gradient ops before it).
+layer of a chain, a residual block, a custom block layer; the head after the
+last one). The model is traced once, unit by unit, forward pass and
+gradient (`keras_memopt._liveness`), and every op is labelled with its unit:
+a forward op by the unit that made it; a gradient op by the forward op in
+whose name scope TensorFlow's gradient tape made it, or else by the earliest
+unit whose tensors it reads (directly or through the gradient ops before it).
 
 A candidate (a set of cuts) is then played on that graph as it would run:
 the forward pass, in which a recomputed segment's tensors are dropped after
@@ -17,16 +18,17 @@ schedule give the candidate's peak, with everything the graph shows: what
 each unit's backward pass keeps, the gradient's working tensors, the
 stored segment inputs.
 
-The candidates are those a user would try: no recomputation, a segment per
-unit (one `Remat` per block), every k units for each k (the classic √n
-segments among them), aligned to the start or to the end of the model. The
-last segment is never recomputed (its backward pass follows its forward pass
-at once). The chosen candidate has the lowest estimated peak at the
-evaluation batch; of candidates within 2% of it, the one that recomputes the
-fewest bytes, then the one with the most segments (the smallest working set
-at any time: the least exposed to what the estimate does not see); and no
-recomputation unless it saves 5% or more of the step's peak with the
-parameters (recomputation costs time).
+The candidates are those a user would try: no recomputation, a segment at
+every cut point (one `Remat` per block, where a block is a unit), a segment
+every k cut points for each k (the classic √n segments among them), counted
+from the first cut point or from the last. The last segment is never
+recomputed (its backward pass follows its forward pass at once). The chosen
+candidate has the lowest estimated peak at the evaluation batch; of
+candidates within 2% of it, the one that recomputes the fewest bytes, then
+the one with the most segments (the smallest working set at any time: the
+least exposed to what the estimate does not see); and no recomputation
+unless it saves 5% or more of the step's peak with the parameters
+(recomputation costs time).
 """
 
 from __future__ import annotations
