@@ -18,7 +18,7 @@ Embedding(500, 64): `gru_masked` (`mask_zero=True`, GRU(128,
 return_sequences), Dense(10): the issue's tagger), `gru`, `lstm_masked`,
 `bilstm_masked` (Bidirectional(LSTM(128))).
 
-Run: python benchmarks/estimate_accuracy.py  (about 15 minutes on 2 busy cores;
+Run: python benchmarks/estimate_accuracy.py  (with --repeats 2, 10 to 12 minutes on 2 busy cores;
      TF_USE_LEGACY_KERAS=1 for tf_keras; --families gru_masked --batches 64 for
      a quick look; --inter-op-threads 1 for one op at a time)
 """

@@ -29,9 +29,9 @@ process, their epochs of `--time-steps` steps interleaved in a shuffled order
 each round; the ratio is the median over `--rounds` rounds of a form's epoch
 time over none's in the same round.
 
-Run: python benchmarks/remat_choice.py  (about 20 minutes on 2 busy cores;
-     TF_USE_LEGACY_KERAS=1 for tf_keras; --families cnn --no-time for a
-     quick look)
+Run: python benchmarks/remat_choice.py  (with --repeats 2 --rounds 3, 22
+     minutes on 2 busy cores; TF_USE_LEGACY_KERAS=1 for tf_keras; --families
+     cnn --no-time for a quick look)
 """
 
 from __future__ import annotations
