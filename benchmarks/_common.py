@@ -7,6 +7,7 @@ TensorFlow starts and reads them.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 # The checkout holding these benchmarks (its `keras_memopt` is the one measured
@@ -109,6 +110,46 @@ def transformer(length, blocks, width=128, heads=4, hidden=None, dropout=0.0,
     return inputs, layers.Dense(classes)(x)
 
 
+def transformer_block_class():
+    """A post-norm transformer block as one custom `Layer` (attention, feed-forward)."""
+    keras = _keras()
+    layers = keras.layers
+
+    class TransformerBlock(layers.Layer):
+        def __init__(self, width, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = layers.MultiHeadAttention(4, width // 4)
+            self.norm1 = layers.LayerNormalization()
+            self.inner = layers.Dense(4 * width, activation="gelu")
+            self.outer = layers.Dense(width)
+            self.norm2 = layers.LayerNormalization()
+
+        def call(self, x):
+            x = self.norm1(x + self.attention(x, x))
+            return self.norm2(x + self.outer(self.inner(x)))
+
+    return TransformerBlock
+
+
+def synthetic_batch(model, size, vocabulary=1000, classes=10):
+    """(x, y) for `model`'s first input and output, made on the device (in the
+    allocator), the same in every process.
+
+    Integer inputs are tokens 1 to `vocabulary` − 1 (no padding, so a mask is
+    all ones); labels take the output's shape without its last axis.
+    """
+    import tensorflow as tf
+
+    spec, seed = model.inputs[0], (0, 1)
+    shape = (size, *spec.shape[1:])
+    if spec.dtype in ("int32", tf.int32):
+        x = tf.random.stateless_uniform(shape, seed, minval=1, maxval=vocabulary, dtype=tf.int32)
+    else:
+        x = tf.random.stateless_uniform(shape, seed)
+    labels = (size, *model.outputs[0].shape[1:-1])
+    return x, tf.random.stateless_uniform(labels, seed, maxval=classes, dtype=tf.int32)
+
+
 def embedding_classifier(vocabulary, width, length, hidden=256, classes=10):
     """A bag of tokens (or items) through a large Embedding, pooled, and an MLP head.
 
@@ -187,6 +228,34 @@ def results(workers):
     module = subprocess_module()
     outputs = module.wait_all(workers)
     return [module.result_of(o, w.name) for w, o in zip(workers, outputs, strict=True)]
+
+
+def run_workers(script, tasks, jobs=1, checkout=REPOSITORY):
+    """Each task's result from `script --worker TASK`, `jobs` fresh processes at a
+    time, with keras_memopt from `checkout`."""
+    answers = []
+    for start in range(0, len(tasks), jobs):
+        chunk = tasks[start:start + jobs]
+        answers.extend(results([start_worker(script, t, checkout) for t in chunk]))
+    return answers
+
+
+def parse_or_work(parser, worker, argv=None, jobs=1):
+    """`parser`'s arguments with `--jobs`, `--json` and the hidden `--worker` added.
+
+    Run as a worker (`--worker TASK`), it sends `worker(TASK)`'s result back to
+    the parent process and returns None.
+    """
+    import json
+
+    parser.add_argument("--jobs", type=int, default=jobs, help="workers at a time")
+    parser.add_argument("--json", action="store_true", help="print the raw figures")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        subprocess_module().send_result(worker(json.loads(args.worker)))
+        return None
+    return args
 
 
 def package_file():

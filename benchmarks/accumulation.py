@@ -183,7 +183,7 @@ def skip_counting_pass(model):
     for timing only, the loss is then wrong."""
     import tensorflow as tf
 
-    split = getattr(model, "_loss_split", None)
+    split = getattr(getattr(model, "_run", None), "loss_split", None)
     if not hasattr(split, "batch_counts"):
         raise RuntimeError("This keras_memopt has no counting pass (`batch_counts`) to skip.")
     outputs = len(model.outputs)

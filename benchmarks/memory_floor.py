@@ -86,29 +86,8 @@ def _blocks(name):
     ]
 
 
-def _transformer_block_class():
-    from keras_memopt._keras import keras
-
-    layers = keras.layers
-
-    class TransformerBlock(layers.Layer):
-        def __init__(self, width, **kwargs):
-            super().__init__(**kwargs)
-            self.attention = layers.MultiHeadAttention(4, width // 4)
-            self.norm1 = layers.LayerNormalization()
-            self.inner = layers.Dense(4 * width, activation="gelu")
-            self.outer = layers.Dense(width)
-            self.norm2 = layers.LayerNormalization()
-
-        def call(self, x):
-            x = self.norm1(x + self.attention(x, x))
-            return self.norm2(x + self.outer(self.inner(x)))
-
-    return TransformerBlock
-
-
 def _TransformerBlock(width):  # noqa: N802 - builds a layer, named like one
-    return _transformer_block_class()(width)
+    return _common.transformer_block_class()(width)
 
 
 def _model(name, kind, micro_batch_size):
@@ -235,11 +214,7 @@ def measure(models, optimizers, kinds, steps, repeats, inter_op_threads, jobs):
         for optimizer in optimizers
         for kind in kinds
     ]
-    answers = []
-    for start in range(0, len(tasks), jobs):
-        workers = [_common.start_worker(__file__, t) for t in tasks[start:start + jobs]]
-        answers.extend(_common.results(workers))
-    return answers
+    return _common.run_workers(__file__, tasks, jobs)
 
 
 COLUMNS = (
@@ -309,12 +284,8 @@ def main(argv=None):
     parser.add_argument("--inter-op-threads", type=int, default=1,
                         help="TensorFlow's inter-op threads in the workers (1: the same "
                              "order of ops every step; 0: TensorFlow's default)")
-    parser.add_argument("--jobs", type=int, default=2, help="workers at a time")
-    parser.add_argument("--json", action="store_true", help="print the raw figures")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        _common.subprocess_module().send_result(worker(json.loads(args.worker)))
+    args = _common.parse_or_work(parser, worker, argv, jobs=2)
+    if args is None:
         return
     answers = measure(args.models, args.optimizers, args.kinds, args.steps, args.repeats,
                       args.inter_op_threads, args.jobs)

@@ -374,6 +374,8 @@ class AccumulatingModel(
             f"{len(segments)} recomputed segment(s) (remat={self.remat!r}): "
             + "; ".join(", ".join(names) for names in segments)
         )
+        if self.remat_choice:
+            remat += f"\n   remat='auto' chose {self.remat_choice}"
         loss = "once on the whole batch's outputs" if self.whole_batch_loss else "per micro-batch"
         return (
             f" Micro-batches: {self._run.setting.describe()}\n"

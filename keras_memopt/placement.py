@@ -282,7 +282,8 @@ def build_optimizer(optimizer, variables):
 
 
 def build_plan(model, remat, placement):
-    """The `SegmentPlan` for `remat` and `placement` together, or None for neither.
+    """(`SegmentPlan` for `remat` and `placement` together or None for
+    neither, what `remat="auto"` chose and why).
 
     The segments are cut at both settings' cut points; a segment is
     recomputed when `remat` recomputes it and runs on its placement's device.
@@ -290,16 +291,17 @@ def build_plan(model, remat, placement):
     if placement is None:
         return _segments.build_plan(model, remat)
     if remat is None:
-        remat_cuts, graph = [], _graph.Graph(model)
+        remat_cuts, graph, note = [], _graph.Graph(model), ""
     else:
-        remat_cuts, graph = _segments.plan_segments(model, remat)
+        remat_cuts, graph, note = _segments.plan_segments(model, remat)
     cuts = sorted({*remat_cuts, *placement.cuts})
     ends = [*cuts, len(graph.nodes) - 1]
     last_recomputed = remat_cuts[-1] if remat_cuts else -1
-    return _segments.SegmentPlan(
+    plan = _segments.SegmentPlan(
         model,
         cuts,
         graph,
         recomputed=[end <= last_recomputed for end in ends],
         devices=[placement.device_of(end) for end in ends],
     )
+    return plan, note

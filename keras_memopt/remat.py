@@ -164,9 +164,10 @@ class RematMixin:
         # skips an assignment of the value an attribute already has.
         value = validate_remat(value)
         check_target(value, isinstance(self, _keras.Functional), self)
-        plan = placement.build_plan(self, value, self._placement)
+        plan, note = placement.build_plan(self, value, self._placement)
         # Plain holders: Keras must not track the segments as sublayers.
         self._remat = value if value is None or isinstance(value, str) else tuple(value)
+        self._remat_note = note
         self._run.segment_plan = plan
         self._run.retrace()
 
@@ -178,3 +179,15 @@ class RematMixin:
         without recomputation.
         """
         return _segments.recomputed_layer_names(self._run.segment_plan)
+
+    @property
+    def remat_choice(self) -> str:
+        """What `remat="auto"` chose and why: its estimated step peaks; "" otherwise.
+
+        For example `"a segment every 2 cut points (10 segments, the last
+        not recomputed): estimated activation and gradient peak 20.0 MiB at
+        a micro-batch of 16, against 58.6 MiB without recomputation and 20.0
+        MiB with a segment at every cut point"`. The peaks are estimates
+        counted from the traced step (see `keras_memopt._remat.choice`).
+        """
+        return self._remat_note

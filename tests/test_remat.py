@@ -1,11 +1,13 @@
 """Remat and AccumulatingModel(remat=...): exact recomputation, segment choice, bad input."""
 
+import gc
+import re
 import warnings
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import LEGACY, peak_bytes_of_fit
+from conftest import LEGACY, peak_bytes_of_fit, run_python
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import keras
@@ -16,6 +18,9 @@ layers = keras.layers
 # Recomputation runs the same operations on the same values in the same
 # order, so results agree to the last bit; 1e-6 leaves room for nothing else.
 EXACT = dict(rtol=0, atol=1e-6)
+# The allocator's step peaks of one configuration spread by this much over
+# op orders (measured over processes: up to 15% on these small models).
+MARGIN = 1.15
 
 
 def _dropout(rate, seed, name=None):
@@ -259,33 +264,67 @@ class TestRemat:
             Remat(regularised)
 
 
+def _residual_auto(micro_batch_size):
+    model = _residual(blocks=6)
+    model.micro_batch_size = micro_batch_size
+    model.remat = "auto"
+    return model
+
+
 class TestSegmentChoice:
-    def test_auto_gives_about_sqrt_n_segments_on_a_uniform_chain(self):
+    def test_auto_recomputes_segments_of_several_layers_on_a_uniform_chain(self):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((64,))
         x = inputs
         for _ in range(16):
             x = layers.Dense(64, activation="relu")(x)
-        model = AccumulatingModel(inputs, layers.Dense(64)(x))
-        cuts, _ = plan_segments(model, "auto")
-        assert 3 <= len(cuts) + 1 <= 6, cuts  # sqrt(17) ~ 4 segments
+        # 4096 samples: 1 MiB of activations a layer against 16 KiB of weights.
+        model = AccumulatingModel(inputs, layers.Dense(64)(x), micro_batch_size=4096)
+        cuts = plan_segments(model, "auto").indices
+        assert 2 <= len(cuts) <= 8, cuts  # neither one segment a layer nor none
+        model.remat = "auto"
+        assert all(len(segment) >= 2 for segment in model.recomputed_segments)
+        # The estimate it chose by is said: lower than without recomputation.
+        numbers = re.findall(r"([\d.]+) MiB", model.remat_choice)
+        assert float(numbers[0]) < float(numbers[1]), model.remat_choice
 
     def test_auto_cuts_only_where_one_tensor_separates_the_graph(self):
-        model = _residual(blocks=6)
-        cuts, graph = plan_segments(model, "auto")
-        names = [graph.nodes[i][0].name for i in cuts]
+        model = _residual_auto(4096)
+        names = [segment[-1] for segment in model.recomputed_segments]
         assert names, names
         # Inside a block the skip connection bypasses every layer.
         assert all(n == "stem" or n.endswith("_out") for n in names), names
+
+    def test_auto_leaves_alone_a_model_whose_weights_dominate(self):
+        # 32 samples through Dense(64) layers: the activations are a few KiB,
+        # the weights and their gradients hundreds; recomputing saves nothing.
+        model = _residual(blocks=6)
+        model.micro_batch_size = 8
+        with pytest.warns(UserWarning, match="found nothing worth recomputing"):
+            model.remat = "auto"
+        assert model.recomputed_segments == []
+        assert model.remat_choice.startswith("none: estimated")
+
+    def test_summary_says_what_auto_chose_and_why(self):
+        model = _residual_auto(4096)
+        lines = []
+        model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+        text = "\n".join(lines)
+        assert "recomputed segment(s) (remat='auto')" in text, text
+        assert "remat='auto' chose a segment" in text and "without recomputation" in text, text
 
     @pytest.mark.slow
     def test_auto_on_keras_application_resnet(self):
         base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
         model = AccumulatingModel.from_model(base, remat="auto")
         names = [segment[-1] for segment in model.recomputed_segments]
-        assert 3 <= len(names) <= 16, names
-        # Block outputs (the addition or the activation after it) and the stem.
-        assert all(n.endswith(("_out", "_add")) or n.startswith(("pool1", "conv1")) for n in names)
+        assert len(names) >= 3, names
+        # Block outputs (the addition or the activation after it), the stem
+        # and the pooling before the head: never inside a residual block.
+        assert all(
+            n.endswith(("_out", "_add")) or n.startswith(("pool1", "conv1")) or n == "avg_pool"
+            for n in names
+        ), names
 
 
 class TestSegments:
@@ -390,6 +429,112 @@ class TestSegments:
         model.remat = None
         assert model.recomputed_segments == []
         assert peak_bytes_of_fit(model, x, y, 2048) > 1.1 * set_after
+
+    @pytest.mark.slow
+    def test_a_segment_that_starts_with_integer_inputs_waits_for_its_gradient(self):
+        # A segment whose only input is an Embedding's token ids must still
+        # wait for the backward pass to be recomputed, or it runs during the
+        # forward pass and keeps its activations as if nothing were
+        # recomputed (measured before: 50.7 MiB against 42.8 without on Keras 3,
+        # 51.9 against 52.2 on tf_keras; now 34.8 and 44.2). In a fresh
+        # process: what earlier tests left in the allocator moves its peaks.
+        output = run_python(
+            """
+            import numpy as np
+            import tensorflow as tf
+            from keras_memopt import AccumulatingModel
+            from keras_memopt._keras import keras
+            layers = keras.layers
+
+            tokens = np.random.RandomState(0).randint(1, 100, (256, 32)).astype("int32")
+            labels = np.zeros(256, "int64")
+            for remat in (None, ["dense1", "dense3"]):
+                keras.utils.set_random_seed(0)
+                inputs = keras.Input((32,), dtype="int32")
+                x = layers.Embedding(100, 64)(inputs)
+                for i in range(4):
+                    x = layers.Dense(256, activation="relu", name=f"dense{i}")(x)
+                outputs = layers.Dense(3)(layers.GlobalAveragePooling1D()(x))
+                model = AccumulatingModel(inputs, outputs, remat=remat)
+                model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(True))
+                model.fit(tokens, labels, batch_size=256, verbose=0)
+                tf.config.experimental.reset_memory_stats("CPU:0")
+                start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                model.fit(tokens, labels, batch_size=256, verbose=0)
+                print(tf.config.experimental.get_memory_info("CPU:0")["peak"] - start)
+            """
+        )
+        without, cut = (int(line) for line in output.stdout.split()[-2:])
+        assert cut < 0.9 * without, (cut, without)
+
+
+class PostNormBlock(layers.Layer):
+    """A post-norm transformer block as one custom layer (the memory floor's kind)."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = layers.MultiHeadAttention(2, width // 2)
+        self.norm1 = layers.LayerNormalization()
+        self.inner = layers.Dense(4 * width, activation="gelu")
+        self.outer = layers.Dense(width)
+        self.norm2 = layers.LayerNormalization()
+
+    def call(self, x):
+        x = self.norm1(x + self.attention(x, x))
+        return self.norm2(x + self.outer(self.inner(x)))
+
+
+def _conv_block():
+    return [layers.Conv2D(16, 3, padding="same", use_bias=False),
+            layers.BatchNormalization(), layers.Activation("relu")]
+
+
+def _family(name, form):
+    """A small model of `name` with its blocks inline, each in a `Remat`, or `remat="auto"`."""
+    keras.utils.set_random_seed(0)
+    if name == "transformer":
+        inputs = keras.Input((32,), dtype="int32")
+        x = layers.Embedding(100, 32)(inputs)
+        blocks = [[PostNormBlock(32)] for _ in range(3)]
+        head = [layers.GlobalAveragePooling1D(), layers.Dense(3)]
+    else:
+        inputs = keras.Input((16, 16, 3))
+        x, blocks = inputs, [_conv_block() for _ in range(4)]
+        head = [layers.GlobalAveragePooling2D(), layers.Dense(3)]
+    for block in blocks:
+        if form == "per block":
+            x = Remat(block[0] if len(block) == 1 else keras.Sequential(block))(x)
+        else:
+            for layer in block:
+                x = layer(x)
+    for layer in head:
+        x = layer(x)
+    remat = "auto" if form == "auto" else None
+    model = AccumulatingModel(inputs, x, micro_batch_size=64, remat=remat)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class TestAutoAgainstTheObviousChoices:
+    def test_auto_is_no_worse_than_none_or_a_remat_per_block(self):
+        gc.collect()  # what earlier tests left must not be freed while this one measures
+        rng = np.random.RandomState(0)
+        x, y = rng.rand(64, 16, 16, 3).astype("float32"), rng.randint(0, 3, 64)
+        peaks = {form: peak_bytes_of_fit(_family("cnn", form), x, y, 64)
+                 for form in ("none", "per block", "auto")}
+        # Same step, other op orders: the allocator's peaks of one
+        # configuration spread by up to MARGIN here.
+        assert peaks["auto"] <= MARGIN * min(peaks["none"], peaks["per block"]), peaks
+
+    def test_auto_recomputes_each_transformer_block_on_its_own(self):
+        # What one `Remat` per block does, which no coarser cut matches: a
+        # block's attention scores and feed-forward activations are far
+        # larger than the tensor between blocks.
+        model = _family("transformer", "auto")
+        segments = model.recomputed_segments
+        assert [names[-1] for names in segments if "post_norm_block" in names[-1]] == [
+            layer.name for layer in model.layers if isinstance(layer, PostNormBlock)
+        ], segments
 
 
 class TestBadInput:

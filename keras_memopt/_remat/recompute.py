@@ -48,9 +48,18 @@ def _after(tensors, upstream):
         return [tf.identity(t) for t in tensors]
     element = tf.cast(tf.reduce_max(tf.reshape(tf.math.real(probe), [-1])[:1]), tf.bool)
     zero = tf.where(tf.equal(element, element), 0.0, float("nan"))
-    return [
-        t + tf.cast(zero, t.dtype) if _differentiable(t) else tf.identity(t) for t in tensors
-    ]
+    replayed = []
+    for t in tensors:
+        if _differentiable(t):
+            replayed.append(t + tf.cast(zero, t.dtype))
+        else:
+            # Integer inputs too (a segment that starts with an Embedding's
+            # token ids), or the whole segment is recomputed during the
+            # forward pass. A control dependency: a select of `t` or `t`
+            # is simplified away.
+            with tf.control_dependencies([zero]):
+                replayed.append(tf.identity(t))
+    return replayed
 
 
 def on(device):

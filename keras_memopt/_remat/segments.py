@@ -1,7 +1,8 @@
 """Segments of a functional model: where to cut it, and running it segment by segment.
 
-`plan_segments(model, remat)` finds the cut points (`"auto"`: by activation
-sizes along the graph's separating tensors; or the named layers), and
+`plan_segments(model, remat)` finds the cut points (`"auto"`: the set of
+cuts along the graph's separating tensors whose estimated step peak is
+lowest, see `keras_memopt._remat.choice`; or the named layers), and
 `SegmentPlan` runs the model as a chain of segments, each recomputed in the
 backward pass (`keras_memopt._remat.recompute`) and/or placed on a device
 (`keras_memopt.placement`). `AccumulatingModel(remat=...)` uses them.
@@ -10,8 +11,12 @@ backward pass (`keras_memopt._remat.recompute`) and/or placed on a device
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
+
+import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._remat import choice as _remat_choice
 from keras_memopt._remat import graph as _graph
 from keras_memopt._remat.recompute import check_no_activity_regularizer, on, on_device, recompute
 
@@ -32,8 +37,18 @@ def _estimate_peak(blocks, boundaries, cuts):
     return peak
 
 
+# The micro-batch size `remat="auto"` estimates peaks at where the model has
+# no number for it (the whole batch, or "auto"): large, so that candidates are
+# ranked by what each sample keeps, where recomputation matters.
+_NOMINAL_BATCH = 4096
+
+
 def _choose_cuts(blocks, boundaries):
-    """Cuts minimising the estimated peak over a range of segment budgets."""
+    """Cuts minimising the estimated peak over a range of segment budgets.
+
+    Only where the step cannot be traced: `blocks` and `boundaries` are
+    output bytes, which miss what a block keeps inside.
+    """
     total = sum(blocks)
     best_cuts, best_peak = [], total
     low = max(max(blocks), 1)
@@ -52,54 +67,105 @@ def _choose_cuts(blocks, boundaries):
     return best_cuts, best_peak
 
 
-def plan_segments(model, remat):
-    """The node indices after which `model`'s recomputed segments end.
+class Cuts(NamedTuple):
+    """Where `plan_segments` cuts a model, and why."""
+
+    indices: list  # node indices after which segments end, in graph order
+    graph: _graph.Graph
+    note: str = ""  # what `remat="auto"` chose and why
+
+
+def plan_segments(model, remat, batch=None) -> Cuts:
+    """Where `model`'s recomputed segments end (`Cuts`).
 
     With `remat="auto"`: the candidate cut points are the tensors that
     separate the graph (every path from the inputs to the outputs passes
     through them: the output of a block in a chain, a residual block's output
-    after its addition). Consecutive cut points delimit blocks whose activation
-    sizes are read from the model's static shapes (bytes per sample). Segments
-    are made by merging blocks up to a budget; the budget is chosen among 65
-    values between the largest block and the whole model so that the estimated
-    peak, the stored boundary tensors plus the largest segment's activations,
-    is smallest. For n equal layers this gives the classic about-√n segments.
-    The last segment (the head, whose backward pass starts right after its
+    after its addition). The step is traced and each candidate set of cuts
+    (none, one segment per block, every k blocks) played on it
+    (`keras_memopt._remat.choice`); the lowest estimated peak at `batch`
+    samples wins (defaults to the model's `micro_batch_size` where it is a
+    number, else 4096). Where the step cannot be traced, the segments are
+    chosen from the blocks' output sizes instead (the note says so). The
+    last segment (the head, whose backward pass starts right after its
     forward pass) is never recomputed. Only the model's own graph is
     searched: a nested model is one node.
-
-    Returns:
-        A list of node indices (the cut points) and the `keras_memopt._remat.graph.Graph`.
     """
     graph = _graph.Graph(model)
-    if remat == "auto":
-        separators = graph.separators()
-        regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
-        if regularised:  # Everything up to the last cut is recomputed.
-            separators = [i for i in separators if i < regularised[0]]
+    if remat != "auto":
+        cuts = _graph.named_cuts(graph, model, remat, "remat")
+        check_no_activity_regularizer(
+            [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
+        )
+        return Cuts(cuts, graph)
+    separators = _candidate_separators(graph)
+    if batch is None:
+        size = getattr(model, "micro_batch_size", None)
+        batch = size if isinstance(size, int) else _NOMINAL_BATCH
+    chosen, note = _auto_cuts(model, graph, separators, batch)
+    if not chosen:
+        warnings.warn(
+            f"remat='auto' found nothing worth recomputing in model "
+            f"{model.name!r}: no set of segments between tensors that separate "
+            "its graph saves 5% or more of its estimated step peak"
+            + (f" ({note})" if note else "")
+            + ". Training goes on without recomputation; wrap blocks in "
+            "`keras_memopt.Remat` or name cut layers in `remat=[...]`.",
+            stacklevel=3,
+        )
+        return Cuts([], graph, note)
+    return Cuts([separators[i] for i in chosen], graph, note)
+
+
+def _candidate_separators(graph):
+    """The cut points `remat="auto"` considers: up to the first regularised layer."""
+    separators = graph.separators()
+    regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
+    if regularised:  # Everything up to the last cut is recomputed.
+        separators = [i for i in separators if i < regularised[0]]
+    return separators
+
+
+def estimated_candidates(model, batch):
+    """[(description, cut layers' names, estimated peak in bytes)] for `remat="auto"`'s
+    candidates at `batch` samples, lowest estimate first.
+
+    Raises:
+        ValueError: if the model has no tensor that separates its graph.
+    """
+    graph = _graph.Graph(model)
+    separators = _candidate_separators(graph)
+    if not separators:
+        raise ValueError(
+            f"Model {model.name!r} has no tensor that separates its graph: there is no "
+            "segment to recompute. Received: model=" + repr(model.name)
+        )
+    traced = _remat_choice.TracedUnits(model, SegmentPlan(model, separators, graph).segments)
+    found = [
+        (name, [graph.nodes[separators[i]][0].name for i in cuts], peak)
+        for cuts, (name, peak) in _remat_choice.estimates(traced, batch).items()
+    ]
+    return sorted(found, key=lambda row: row[2])
+
+
+def _auto_cuts(model, graph, separators, batch):
+    """(indices into `separators`, note) chosen for `remat="auto"`."""
+    if not separators:
+        return [], ""
+    units = SegmentPlan(model, separators, graph).segments
+    try:
+        choice = _remat_choice.choose(_remat_choice.TracedUnits(model, units), batch)
+    except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
         blocks, start = [], 0
         for end in [*separators, len(graph.nodes) - 1]:
             blocks.append(sum(graph.sizes[start : end + 1]))
             start = end + 1
-        boundaries = [graph.sizes[i] for i in separators]
-        chosen, peak = _choose_cuts(blocks, boundaries)
-        cuts = [separators[i] for i in chosen]
-        if not cuts or peak >= 0.9 * sum(blocks):
-            warnings.warn(
-                f"remat='auto' found nothing worth recomputing in model "
-                f"{model.name!r}: no tensor that separates its graph splits it "
-                "into segments that lower its activation memory. Training "
-                "goes on without recomputation; wrap blocks in "
-                "`keras_memopt.Remat` or name cut layers in `remat=[...]`.",
-                stacklevel=3,
-            )
-            return [], graph
-        return cuts, graph
-    cuts = _graph.named_cuts(graph, model, remat, "remat")
-    check_no_activity_regularizer(
-        [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
-    )
-    return cuts, graph
+        chosen, peak = _choose_cuts(blocks, [graph.sizes[i] for i in separators])
+        if peak >= 0.9 * sum(blocks):
+            chosen = []
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        return chosen, f"chosen from output sizes; the step could not be traced ({reason})"
+    return choice.cuts, choice.note
 
 
 class SegmentPlan:
@@ -148,13 +214,13 @@ class SegmentPlan:
 
 
 def build_plan(model, remat):
-    """The `SegmentPlan` for `AccumulatingModel(..., remat=remat)`, or None."""
+    """(`SegmentPlan` or None, note) for `AccumulatingModel(..., remat=remat)`."""
     if remat is None:
-        return None
-    cuts, graph = plan_segments(model, remat)
-    if not cuts:
-        return None
-    return SegmentPlan(model, cuts, graph)
+        return None, ""
+    cuts = plan_segments(model, remat)
+    if not cuts.indices:
+        return None, cuts.note
+    return SegmentPlan(model, cuts.indices, cuts.graph), cuts.note
 
 
 def recomputed_layer_names(plan) -> list[list[str]]:

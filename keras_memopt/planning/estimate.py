@@ -1,4 +1,13 @@
-"""The shape-only estimate: what a train step holds, counted from shapes and dtypes."""
+"""The shapes-only estimate: what a train step holds, counted without running it.
+
+The weights' parts (parameters, optimizer slots, gradients) are counted from
+the variables; the activations from the model's traced forward pass and
+gradient (`StepActivations`, see `keras_memopt._remat.liveness`): what each layer
+keeps for its backward pass (a recurrent layer's gates and states per time
+step, attention's score matrices, normalisation statistics, dropout masks)
+and the gradient's working tensors, alive at once at the step's peak. Where
+the step cannot be traced, from each layer's output shape (`layer_table`).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +16,14 @@ import dataclasses
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._remat import liveness as _liveness
 from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
 keras = _keras.keras
 
 __all__ = [
     "MemoryEstimate",
+    "StepActivations",
     "WeightBytes",
     "input_bytes_per_sample",
     "known_inputs",
@@ -103,13 +114,15 @@ def _layer_activations(layer):
 def _attention_activations(layer, output, output_bytes):
     # Query, key and value projections, the attention logits and their
     # softmax (and dropout), the attended values and the output projection.
-    heads = layer.num_heads
-    key_dim = layer.key_dim
-    value_dim = layer.value_dim or key_dim
+    # (tf_keras keeps the sizes in private attributes.)
+    heads = getattr(layer, "num_heads", None) or layer._num_heads
+    key_dim = getattr(layer, "key_dim", None) or layer._key_dim
+    value_dim = getattr(layer, "value_dim", None) or getattr(layer, "_value_dim", None) or key_dim
     length = output.shape[1] if len(output.shape) == 3 else 1
     itemsize = tf.as_dtype(output.dtype).size
     projections = length * heads * (2 * key_dim + 2 * value_dim) * itemsize
-    scores = heads * length * length * itemsize * (3 if layer.dropout else 2)
+    dropout = getattr(layer, "dropout", None) or getattr(layer, "_dropout", 0)
+    scores = heads * length * length * itemsize * (3 if dropout else 2)
     return int(projections + scores + output_bytes)
 
 
@@ -131,6 +144,75 @@ def layer_table(model) -> list[tuple[str, str, int, str]]:
         size, note = _layer_activations(layer)
         rows.append((layer.name, type(layer).__name__, size, note))
     return rows
+
+
+class StepActivations:
+    """The activations one micro-batch's train step holds at its peak, by size.
+
+    Counted from the model's forward pass and gradient, traced (not run)
+    with the batch axis unknown: the most bytes alive at once when the ops
+    run one after another as soon as their inputs are ready, less the
+    weights' gradients (counted on their own). The inputs are counted with
+    the batch. `cpu` adds the working memory of TensorFlow's CPU convolution
+    gradient kernels.
+
+    Where the step cannot be traced (`note` says why), each layer's output
+    shape gives a figure per sample instead (`layer_table`).
+
+    Args:
+        model: a built `keras.Model` with known inputs.
+        cpu: bool, whether the step runs on a CPU.
+    """
+
+    def __init__(self, model, cpu):
+        self.model = model
+        self.note = ""
+        self._gradients = sum(bytes_if_known(v.shape, v.dtype) for v in model.trainable_weights)
+        try:
+            self._step = _trace_model(model, cpu)
+        except Exception as error:  # noqa: BLE001 - any failure: count per layer instead
+            self._step = None
+            self.note = (
+                "the step could not be traced "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                "activations counted from each layer's output shape"
+            )
+            self._per_layer = sum(size for _, _, size, _ in layer_table(model))
+
+    def bytes(self, micro_batch_size: int) -> int:
+        """Activation bytes at the peak of a step on `micro_batch_size` samples."""
+        if self._step is None:
+            return self._per_layer * micro_batch_size
+        return max(int(self._step.peak(micro_batch_size)) - self._gradients, 0)
+
+    @property
+    def per_sample(self) -> float:
+        """What one more sample adds at the peak (at large micro-batches)."""
+        if self._step is None:
+            return float(self._per_layer)
+        return (self.bytes(2048) - self.bytes(1024)) / 1024
+
+
+def _trace_model(model, cpu):
+    """The `StepGraph` of `model`'s forward pass, a sum of its outputs, and the gradient.
+
+    Its inputs count nothing: the planner counts the batch on its own.
+    """
+    inputs, _ = known_inputs(model)
+    if isinstance(model, _keras.Functional):
+        inputs, _ = _keras.nested_inputs_outputs(model)
+    flat = tf.nest.flatten(inputs)
+    specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in flat]
+
+    def loss(*tensors):
+        x = tf.nest.pack_sequence_as(inputs, list(tensors)) if len(flat) > 1 else tensors[0]
+        outputs = model(x, training=True)
+        return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(outputs)])
+
+    graph, kept = _liveness.trace(loss, specs, model.trainable_variables)
+    step = _liveness.StepGraph(graph, kept, cpu=cpu)
+    step.leave_out_inputs()
+    return step
 
 
 def input_bytes_per_sample(model) -> int:
@@ -169,6 +251,7 @@ class WeightBytes:
     optimizer_slots: int
     gradient_accumulators: int
     micro_gradients: int
+    largest_variable: int = 0  # the largest trainable variable's bytes
 
     @classmethod
     def of(cls, model, optimizer) -> WeightBytes:
@@ -184,6 +267,7 @@ class WeightBytes:
             optimizer_slots=int(optimizer_slot_copies(optimizer) * grads),
             gradient_accumulators=accumulators,
             micro_gradients=grads,
+            largest_variable=max((bytes_if_known(v.shape, v.dtype) for v in trainable), default=0),
         )
 
     @property
@@ -198,10 +282,17 @@ class WeightBytes:
 class MemoryEstimate:
     """The parts of one train step's peak memory, in bytes.
 
-    `calibrated` says which kind of figure `peak` is: False, counted from
-    shapes alone (TensorFlow's own working memory is not in it); True, read
-    from measured train steps (`overhead` is then what the measurement adds
-    to the counted parts).
+    `calibrated` says which kind of figure `peak` is: False, counted without
+    running the step (from the traced step; the allocator's rounding is not
+    in it); True, read from measured train steps (`overhead` is then what the
+    measurement adds to the counted parts).
+
+    The activations' peak (in the backward pass, beside the micro-batch's
+    gradients) and the optimizer update's (its temporaries while it updates
+    a variable, estimated as twice the largest trainable variable: measured
+    1 to 3 times with Adam and RMSprop on a CPU; beside the gradient sum, or
+    with one micro-batch the gradients) come at different times: the step's
+    peak has the larger.
     """
 
     batch_size: int
@@ -214,20 +305,28 @@ class MemoryEstimate:
     activations: int
     overhead: int = 0
     calibrated: bool = False
+    optimizer_update: int = 0
 
     @classmethod
     def of_step(cls, weights: WeightBytes, batch_size, micro_batch_size, input_batch,
                 activations) -> MemoryEstimate:
-        """The shapes-only estimate: `weights`' parts, and the batch's and activations' bytes."""
+        """The shapes-only estimate: `weights`' parts, and the batch's and activations' bytes.
+
+        With one micro-batch per batch there is no sum beside the gradients:
+        the first micro-batch's gradients start the sums.
+        """
         return cls(
             batch_size=batch_size,
             micro_batch_size=micro_batch_size,
             parameters=weights.parameters,
             optimizer_slots=weights.optimizer_slots,
-            gradient_accumulators=weights.gradient_accumulators,
+            gradient_accumulators=(
+                weights.gradient_accumulators if micro_batch_size < batch_size else 0
+            ),
             micro_gradients=weights.micro_gradients,
             input_batch=input_batch,
             activations=activations,
+            optimizer_update=2 * weights.largest_variable,
         )
 
     @property
@@ -238,9 +337,16 @@ class MemoryEstimate:
             + self.gradient_accumulators
             + self.micro_gradients
             + self.input_batch
-            + self.activations
+            + max(self.activations, self._update_beyond_gradients())
             + self.overhead
         )
+
+    def _update_beyond_gradients(self):
+        """What the update holds beyond a micro-batch's gradients: its temporaries,
+        less those gradients where it applies the sum after the loop."""
+        if self.gradient_accumulators:
+            return self.optimizer_update - self.micro_gradients
+        return self.optimizer_update
 
     def rows(self):
         """(part, bytes) rows for a table, the peak last."""
@@ -252,6 +358,9 @@ class MemoryEstimate:
             (f"input batch ({_samples(self.batch_size)})", self.input_batch),
             (f"activations ({_samples(self.micro_batch_size)})", self.activations),
         ]
+        update = self._update_beyond_gradients()
+        if update > self.activations:
+            parts.append(("optimizer update, beyond the activations", update - self.activations))
         if self.overhead or self.calibrated:
             parts.append(("measured, not counted above", self.overhead))
         kind = "measured" if self.calibrated else "shapes only"

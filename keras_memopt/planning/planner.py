@@ -11,6 +11,7 @@ from keras_memopt._validation import positive_int
 from keras_memopt.memory import default_device, format_bytes, parse_bytes
 from keras_memopt.planning import estimate as _estimate
 from keras_memopt.planning import measure as _measure
+from keras_memopt.planning import remat_plan as _remat_plan
 from keras_memopt.planning.calibration import Calibration
 from keras_memopt.planning.plan import (
     MEASURED_MARGIN,
@@ -129,6 +130,7 @@ class MemoryPlanner:
         self._calibration = None
         self._cannot_isolate = None  # why a fresh process cannot rebuild the model
         self.layers = _estimate.layer_table(model)
+        self._activations = None  # traced on first use
 
     # -- shapes ---------------------------------------------------------------------
 
@@ -139,8 +141,14 @@ class MemoryPlanner:
 
     @property
     def activation_bytes_per_sample(self) -> int:
-        """Activation bytes one sample keeps alive for the backward pass."""
-        return sum(size for _, _, size, _ in self.layers)
+        """Activation bytes one more sample adds at the step's peak (from the traced step)."""
+        return int(self._step_activations().per_sample)
+
+    def _step_activations(self):
+        if self._activations is None:
+            cpu = "GPU" not in self._profile_device().upper()
+            self._activations = _estimate.StepActivations(self.model, cpu=cpu)
+        return self._activations
 
     # -- estimate, profile, plan ------------------------------------------------
 
@@ -167,7 +175,7 @@ class MemoryPlanner:
         micro = min(positive_int("micro_batch_size", micro), batch_size)
         estimate = _estimate.MemoryEstimate.of_step(
             _estimate.WeightBytes.of(self.model, self.optimizer), batch_size, micro,
-            batch_size * self.input_bytes_per_sample, micro * self.activation_bytes_per_sample,
+            batch_size * self.input_bytes_per_sample, self._step_activations().bytes(micro),
         )
         if self._calibration is not None:
             estimate.overhead = int(self._calibration.peak_at(batch_size, micro)) - estimate.peak
@@ -360,6 +368,40 @@ class MemoryPlanner:
         return MemoryPlan(
             batch_size, budget, micro, None, self.estimate(batch_size, micro), fits=True
         )
+
+    def compare_remat(
+        self, batch_size: int, micro_batch_size: int | None = None, count: int = 4,
+        verbose: int = 0,
+    ) -> list[_remat_plan.RematCandidate]:
+        """Measures the recomputation settings `remat="auto"` weighs, lowest peak first.
+
+        `remat="auto"` chooses from estimated peaks; where candidates are
+        close, what the estimate cannot see decides. This measures the lowest
+        estimate, no recomputation, a segment at every cut point and the
+        others within 25% of the lowest estimate (at most `count`), each as
+        `profile()` measures (a fresh process per setting on a CPU), at
+        `batch_size` in micro-batches of `micro_batch_size`. Pass the first
+        one's `remat` to `AccumulatingModel`.
+
+        Args:
+            batch_size: int, the effective batch.
+            micro_batch_size: int, samples per micro-batch. Defaults to
+                `batch_size`.
+            count: int, the most settings to measure. Defaults to 4.
+            verbose: int, 1 to print a line per measurement. Defaults to 0.
+
+        Returns:
+            A list of `RematCandidate` (description, `remat`, estimated and
+            measured peak in bytes), lowest measured first.
+
+        Raises:
+            ValueError: for a model that is not functional or has no tensor
+                that separates its graph, or an invalid size.
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        micro = positive_int("micro_batch_size", micro_batch_size or batch_size)
+        count = positive_int("count", count)
+        return _remat_plan.compare(self, batch_size, min(micro, batch_size), count, verbose)
 
     def _check_fixed_part_fits(self, batch_size, budget, usable, margin):
         fixed = _estimate.WeightBytes.of(self.model, self.optimizer).total

@@ -1,0 +1,289 @@
+"""`remat="auto"`: which segments to recompute, chosen from the traced step.
+
+The candidate cut points are the tensors that separate a functional model's
+graph (`keras_memopt._remat.graph`); between consecutive ones lie *units* (a
+layer of a chain, a residual block, a custom block layer; the head after the
+last one). The model is traced once, unit by unit, forward pass and
+gradient (`keras_memopt._remat.liveness`), and every op is labelled with its unit:
+a forward op by the unit that made it; a gradient op by the forward op in
+whose name scope TensorFlow's gradient tape made it, or else by the earliest
+unit whose tensors it reads (directly or through the gradient ops before it).
+
+A candidate (a set of cuts) is then played on that graph as it would run:
+the forward pass, in which a recomputed segment's tensors are dropped after
+their last forward use (only the segment's input is kept); then the
+gradient, in which each recomputed segment runs its forward ops again just
+before its first gradient op. The bytes alive at each point of that
+schedule give the candidate's peak, with everything the graph shows: what
+each unit's backward pass keeps, the gradient's working tensors, the
+stored segment inputs.
+
+The candidates are those a user would try: no recomputation, a segment at
+every cut point (one `Remat` per block, where a block is a unit), a segment
+every k cut points for each k (the classic √n segments among them), counted
+from the first cut point or from the last. The last segment is never
+recomputed (its backward pass follows its forward pass at once). The chosen
+candidate has the lowest estimated peak at the evaluation batch; of
+candidates within 2% of it, the one that recomputes the fewest bytes, then
+the one with the most segments (the smallest working set at any time: the
+least exposed to what the estimate does not see); and no recomputation
+unless it saves 5% or more of the step's peak with the parameters
+(recomputation costs time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from keras_memopt import _keras
+from keras_memopt._remat import liveness as _liveness
+
+# A candidate within this share of the lowest peak counts as as low.
+_TIE = 0.02
+# Recomputation costs time: it must lower the peak by at least this share.
+_WORTH = 0.05
+
+
+@dataclasses.dataclass
+class Choice:
+    """What `remat="auto"` chose and why.
+
+    Attributes:
+        cuts: the unit indices after which the chosen segments end.
+        batch: the micro-batch size the peaks are estimated at.
+        peaks: estimated activation and gradient peak (bytes): "none",
+            "every cut point" and "chosen".
+        note: why, in words (for `model.summary()`).
+    """
+
+    cuts: list
+    batch: int
+    peaks: dict
+    note: str
+
+
+class TracedUnits:
+    """A model's step traced unit by unit, and the schedule of a set of cuts.
+
+    Args:
+        model: a functional model.
+        units: the functional models (segments over the model's layers) for
+            the units, in order; the last is the head.
+    """
+
+    def __init__(self, model, units):
+        inputs, _ = _keras.nested_inputs_outputs(model)
+        flat = tf.nest.flatten(inputs)
+        specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in flat]
+        bounds = []
+
+        def call(*tensors):
+            graph = tf.compat.v1.get_default_graph()
+            x = tf.nest.pack_sequence_as(inputs, list(tensors))
+            for unit in units:
+                bounds.append(len(graph.get_operations()))
+                x = unit(x, training=True)
+            bounds.append(len(graph.get_operations()))
+            loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(x)])
+            bounds.append(len(graph.get_operations()))
+            return loss
+
+        graph, kept = _liveness.trace(call, specs, model.trainable_variables)
+        self.step = _liveness.StepGraph(graph, kept, cpu=not tf.config.list_logical_devices("GPU"))
+        self.parameters = sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.weights
+        )
+        self.count = len(units)
+        self._label(bounds)
+
+    def _label(self, bounds):
+        """Each op's unit: -1 before the model; a float for gradient ops."""
+        ops = self.step.ops
+        self.backward_start = bounds[-1]
+        unit = np.full(len(ops), -1.0)
+        for index in range(self.count):
+            unit[bounds[index]:bounds[index + 1]] = index
+        unit[bounds[-2]:bounds[-1]] = self.count - 1  # the loss: with the head
+        self.forward_unit = unit[: self.backward_start].astype(np.int64)
+        named = {}  # forward ops' names and name scopes: their unit
+        for i in range(bounds[0], self.backward_start):
+            parts = ops[i].name.split("/")
+            for end in range(1, len(parts) + 1):
+                named.setdefault("/".join(parts[:end]), unit[i])
+        read_by = self._read_by(unit)
+        for index in range(self.backward_start, len(ops)):
+            found = _differentiated(ops[index].name, named)
+            unit[index] = self._from_inputs(index, unit, read_by) if found is None else found
+        self.unit = unit
+        self.gradient_unit = np.ceil(np.maximum(unit[self.backward_start:], -0.5))
+
+    def _read_by(self, unit):
+        """Each buffer's label as a gradient op's input: a tensor a later unit
+        reads is that unit's input as much as its maker's output."""
+        labels = {}
+        for buffer, users in enumerate(self.step.users):
+            made = unit[self.step.producer[buffer]]
+            later = [u for u in users if u < self.backward_start and unit[u] > made]
+            labels[buffer] = made + 0.5 if later else made
+        return labels
+
+    def _from_inputs(self, index, unit, read_by):
+        """A gradient op that names no forward op: the earliest unit it reads from."""
+        labels = []
+        for tensor in self.step.ops[index].inputs:
+            buffer = self.step.buffer_of.get(tensor.ref())
+            if buffer is None:
+                continue
+            producer = self.step.producer[buffer]
+            labels.append(read_by[buffer] if producer < self.backward_start else unit[producer])
+        return min(labels, default=math.inf)
+
+    def profile(self, cuts):
+        """The `_liveness.Profile` of the step with segments ending after `cuts`."""
+        segment_of_unit = np.searchsorted(np.asarray(sorted(cuts), dtype=np.int64),
+                                          np.arange(self.count), side="left")
+        last = len(cuts)  # the last segment, never recomputed
+        forward_segment = np.where(self.forward_unit >= 0,
+                                   segment_of_unit[np.maximum(self.forward_unit, 0)], -1)
+        recomputed = (forward_segment >= 0) & (forward_segment < last)
+        gradient_segment = np.full(len(self.gradient_unit), -1)
+        finite = np.isfinite(self.gradient_unit)
+        gradient_segment[finite] = segment_of_unit[
+            np.clip(self.gradient_unit[finite].astype(np.int64), 0, self.count - 1)
+        ]
+        position, again = self._positions(forward_segment, recomputed, gradient_segment, last)
+        return self._lifetimes(position, again, forward_segment, recomputed, gradient_segment)
+
+    def _positions(self, forward_segment, recomputed, gradient_segment, last):
+        """Where each op runs in the schedule; `again[i]`: where a recomputed op runs again."""
+        ops = len(self.step.ops)
+        position = np.zeros(ops, dtype=np.int64)
+        again = np.full(ops, -1, dtype=np.int64)
+        position[: self.backward_start] = np.arange(self.backward_start)
+        now, done = self.backward_start, set()
+        for index in range(self.backward_start, ops):
+            segment = gradient_segment[index - self.backward_start]
+            if 0 <= segment < last and segment not in done:
+                done.add(segment)
+                members = np.flatnonzero(forward_segment == segment)
+                again[members] = now + np.arange(len(members))
+                now += len(members)
+            position[index] = now
+            now += 1
+        self.length = now + 1
+        return position, again
+
+    def _lifetimes(self, position, again, forward_segment, recomputed, gradient_segment):
+        step, start = self.step, self.backward_start
+        firsts, lasts, sizes = [], [], []
+        for buffer, users in enumerate(step.users):
+            producer = step.producer[buffer]
+            size = step.sizes[buffer]
+            own = forward_segment[producer] if producer < start else -2
+            ends, copy_ends = [position[producer]], []
+            for user in users:
+                if user < start:
+                    if own >= 0 and recomputed[producer] and forward_segment[user] == own:
+                        ends.append(position[user])
+                        copy_ends.append(again[user])
+                        continue
+                    ends.append(max(position[user], again[user]))
+                elif own >= 0 and recomputed[producer] and gradient_segment[user - start] == own:
+                    copy_ends.append(position[user])
+                else:
+                    ends.append(position[user])
+            if buffer in step.kept:
+                ends.append(self.length - 1)
+            firsts.append(position[producer])
+            lasts.append(max(ends))
+            sizes.append(size)
+            if copy_ends and again[producer] >= 0:
+                firsts.append(again[producer])
+                lasts.append(max(again[producer], *copy_ends))
+                sizes.append(size)
+        sizes = np.array(sizes, dtype=np.float64).reshape(-1, 2)
+        return _liveness.Profile(np.array(firsts), np.array(lasts), sizes, self.length)
+
+    def recomputed_bytes(self, cuts):
+        """Per-sample bytes the recomputation makes again (its cost in time)."""
+        if not cuts:
+            return 0.0
+        end = max(cuts)
+        total = 0.0
+        for buffer, producer in enumerate(self.step.producer):
+            if producer < self.backward_start and 0 <= self.forward_unit[producer] <= end:
+                total += self.step.sizes[buffer][0]
+        return total
+
+
+def _differentiated(name, forward):
+    """The unit of the forward op that gradient op `name` differentiates, or None.
+
+    TensorFlow's gradient tape makes a gradient op in the name scope of the
+    forward op it differentiates: `gradient_tape/<forward scope>/<op>`.
+    `forward` maps forward ops' names and name scopes to their unit; a unit's
+    scopes are its own (each unit is a model of its own name).
+    """
+    prefix = "gradient_tape/"
+    if not name.startswith(prefix):
+        return None
+    parts = name[len(prefix):].split("/")
+    for end in range(len(parts) - 1, 1, -1):
+        found = forward.get("/".join(parts[:end]))
+        if found is not None:
+            return found
+    return None
+
+
+def candidates(count):
+    """Cut sets a user would try over `count` units (the last is the head)."""
+    found = {(): "none"}
+    separators = count - 1
+    for k in range(1, separators + 1):
+        from_end = tuple(sorted(range(separators - 1, -1, -k)))
+        from_start = tuple(range(k - 1, separators, k))
+        name = "a segment at every cut point" if k == 1 else f"a segment every {k} cut points"
+        found.setdefault(from_end, name)
+        found.setdefault(from_start, name + " from the first")
+    return found
+
+
+def estimates(traced, batch):
+    """{cuts: (description, estimated peak in bytes at `batch` samples)} of `candidates`."""
+    return {
+        cuts: (name, traced.profile(list(cuts)).peak(batch))
+        for cuts, name in candidates(traced.count).items()
+    }
+
+
+def choose(traced, batch):
+    """The `Choice` among `candidates` for `traced` at `batch` samples."""
+    estimated = estimates(traced, batch)
+    peaks = {cuts: peak for cuts, (_, peak) in estimated.items()}
+    names = {cuts: name for cuts, (name, _) in estimated.items()}
+    lowest = min(peaks.values())
+    near = [cuts for cuts, peak in peaks.items() if peak <= lowest * (1 + _TIE)]
+    best = min(near, key=lambda cuts: (traced.recomputed_bytes(cuts), -len(cuts)))
+    none = peaks[()]
+    if best and none - peaks[best] < _WORTH * (none + traced.parameters):
+        best = ()
+    per_unit = tuple(range(traced.count - 1))
+    summary = {"none": none, "every cut point": peaks.get(per_unit, none), "chosen": peaks[best]}
+    note = _note(names[best], len(best), summary, batch)
+    return Choice(cuts=list(best), batch=batch, peaks=summary, note=note)
+
+
+def _note(name, cuts, peaks, batch):
+    def mib(value):
+        return f"{value / 2**20:.1f} MiB"
+
+    segments = f" ({cuts + 1} segments, the last not recomputed)" if cuts else ""
+    return (
+        f"{name}{segments}: estimated activation and gradient peak {mib(peaks['chosen'])} "
+        f"at a micro-batch of {batch}, against {mib(peaks['none'])} without recomputation "
+        f"and {mib(peaks['every cut point'])} with a segment at every cut point"
+    )

@@ -1,0 +1,474 @@
+"""What a training step holds, counted from its traced gradient graph.
+
+`trace(call, specs, variables)` traces a forward pass and its gradient with
+the batch axis unknown, as `fit` runs them (and a micro-batch step, whose
+size is read at run time), without running anything. A tensor with an
+unknown dimension grows with the batch: its bytes per sample are its known
+dimensions' product times what one sample is of the unknown one (one row,
+or a sequence's rows where a dense layer folded the time axis into the
+batch axis, followed from the reshape that did); a tensor without one is
+fixed;
+`StepGraph` reads the graph's tensors and when each is last used, and
+`StepGraph.peak(batch)` replays the ops in the order they were made (forward
+pass, then the gradient, layer by layer backwards), adding each op's outputs
+and dropping each tensor after its last use. What the backward pass keeps
+follows from the graph itself: a recurrent layer's per-step gates and states
+(the loop's accumulators, sized from its body), attention's score matrices,
+normalisation statistics, dropout masks.
+
+It is an estimate: TensorFlow's executor may run independent ops in another
+order (and, with several inter-op threads, side by side), kernels allocate
+working memory that no tensor shape shows (a CPU convolution's patches), and
+an op may reuse a dying input's buffer for its output.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+# Ops whose output is a view of their first input's buffer.
+_VIEWS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+    "PreventGradient", "EnsureShape", "Snapshot", "Bitcast",
+})
+# Ops that read only their inputs' shapes: using a tensor there does not keep it.
+_SHAPE_READERS = frozenset({
+    "Shape", "ShapeN", "Size", "Rank", "TensorListLength", "TensorListElementShape",
+    "BroadcastGradientArgs",
+})
+# Ops whose outputs take no memory of a step's own: constants, variables and
+# reads of them (a read aliases the variable's buffer).
+_NOTHING_NEW = frozenset({
+    "Const", "VarHandleOp", "ReadVariableOp", "NoOp", "Shape", "ShapeN", "Size", "Rank",
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+})
+# Element-wise kernels that write their output into an input's buffer where
+# that input is used for the last time and has the output's shape and dtype
+# (TensorFlow's `forward_input_or_allocate_output`).
+_IN_PLACE = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "BiasAdd", "Relu", "ReluGrad", "Relu6", "Relu6Grad", "Elu", "EluGrad",
+    "Selu", "SeluGrad", "LeakyRelu", "LeakyReluGrad", "Tanh", "TanhGrad", "Sigmoid",
+    "SigmoidGrad", "Softplus", "SoftplusGrad", "Softsign", "Neg", "Square", "Sqrt", "SqrtGrad",
+    "Rsqrt", "RsqrtGrad", "Exp", "Log", "Log1p", "Expm1", "Abs", "Sign", "Reciprocal", "Erf",
+    "Erfc", "Floor", "Ceil", "Round", "Cos", "Sin", "Select", "SelectV2", "AddN",
+})
+_LOOPS = frozenset({"While", "StatelessWhile"})
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def tensor_bytes(shape, dtype):
+    """(bytes per sample, fixed bytes) of a tensor whose unknown dimension, if
+    any, is the batch's; None for two unknown dimensions or an unknown rank."""
+    dtype = tf.as_dtype(dtype)
+    if dtype in (tf.resource, tf.variant):
+        return 0, 0
+    if shape.rank is None:
+        return None
+    dims = shape.as_list()
+    unknown = sum(d is None for d in dims)
+    known = int(np.prod([d for d in dims if d is not None], dtype=np.int64)) * dtype.size
+    if unknown > 1:
+        return None
+    return (known, 0) if unknown else (0, known)
+
+
+def _known(shape):
+    return int(np.prod([d for d in shape.as_list() if d is not None], dtype=np.int64))
+
+
+class _Elements:
+    """Elements per sample of each tensor that grows with the batch.
+
+    Most tensors have one row per sample along their unknown axis; a dense
+    layer on a sequence reshapes (batch, time, features) to (batch * time,
+    features), whose unknown axis then holds `time` rows per sample. A view
+    keeps its input's elements; a matrix product's rows follow from its
+    operand's elements over the contracted dimension; other ops carry the
+    rows per sample of their inputs' unknown axes.
+    """
+
+    def __init__(self):
+        self.per_sample = {}
+
+    def of(self, tensor):
+        return self.per_sample.get(tensor.ref())
+
+    def count(self, op, tensor):
+        """Bytes per sample of `tensor` (recorded), 0 if fixed, None if unknown."""
+        shape = tensor.shape
+        if shape.rank is None:
+            return None
+        unknown = sum(d is None for d in shape.as_list())
+        if not unknown:
+            return 0
+        same = [t for t in op.inputs if self.of(t) is not None and t.shape.rank is not None
+                and t.shape.as_list() == shape.as_list()]
+        if op.type in _VIEWS and op.inputs and self.of(op.inputs[0]) is not None:
+            elements = self.of(op.inputs[0])
+        elif same:  # elementwise: as many elements as its input
+            elements = self.of(same[0])
+        elif unknown > 1:
+            return None
+        else:
+            elements = _known(shape) * self._rows(op)
+        self.per_sample[tensor.ref()] = elements
+        return elements * tensor.dtype.size
+
+    def _rows(self, op):
+        if op.type == "MatMul":
+            rows = self._product_rows(op)
+            if rows:
+                return rows
+        rows = [self.of(t) / _known(t.shape) for t in op.inputs
+                if self.of(t) is not None and t.shape.rank is not None
+                and sum(d is None for d in t.shape.as_list()) == 1]
+        return max(rows, default=1)
+
+    def _product_rows(self, op):
+        """Rows per sample of `a @ b` where `a`'s rows grow with the batch."""
+        a, b = op.inputs
+        if self.of(a) is None or op.get_attr("transpose_a"):
+            return None
+        contracted = b.shape[1] if op.get_attr("transpose_b") else b.shape[0]
+        return self.of(a) / contracted if contracted else None
+
+
+def _static(tensor, depth=0):
+    """The value of a small integer tensor computed from constants, or None."""
+    value = tf.get_static_value(tensor)
+    if value is not None or depth > 6:
+        return value
+    op = tensor.op
+    inputs = [_static(t, depth + 1) for t in op.inputs]
+    if any(v is None for v in inputs):
+        return None
+    if op.type in ("Max", "Min"):
+        axes = tuple(np.atleast_1d(inputs[1]).tolist())
+        return (np.max if op.type == "Max" else np.min)(inputs[0], axis=axes)
+    if op.type == "Range":
+        return np.arange(*inputs)
+    if op.type in ("Identity", "Cast"):
+        return inputs[0]
+    return None
+
+
+def _function_graph(op, attribute):
+    return op.graph._get_function(op.get_attr(attribute).name).graph
+
+
+def _iterations(loop):
+    """How many times a `While` op runs its body: its bound, or the length of
+    the sequence it unstacks (a recurrent layer's time steps)."""
+    bound = _static(loop.inputs[1])
+    if bound is not None and not np.ndim(bound) and int(bound) >= 0:
+        return int(bound)
+    lengths = [
+        t.op.inputs[0].shape[0]
+        for t in loop.inputs
+        if t.op.type == "TensorListFromTensor" and t.op.inputs[0].shape.rank
+    ]
+    lengths = [n for n in lengths if n]
+    return max(lengths) if lengths else None
+
+
+def _source(tensor):
+    while tensor.op.type == "Identity":
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def list_bytes(tensor, depth=0):
+    """(per sample, fixed) bytes of a `TensorList` (a variant tensor), or an
+    input index `("input", i)` where it is its op's i-th input passed on.
+
+    A loop's accumulator holds one item per iteration (what the loop's
+    gradient reads back: a recurrent layer's gates and states per time step);
+    a function call's output is looked up in the function's body.
+    """
+    op = tensor.op
+    if depth > 8:
+        return None
+    if op.type in _LOOPS:
+        produced = _source(_function_graph(op, "body").outputs[tensor.value_index]).op
+        if produced.type not in ("TensorListPushBack", "TensorListSetItem"):
+            return ("input", tensor.value_index)
+        item = produced.inputs[1 if produced.type == "TensorListPushBack" else 2]
+        if _source(item).op.type == "ReadVariableOp":
+            return 0, 0  # a variable's value: its own buffer, once
+        size, count = tensor_bytes(item.shape, item.dtype), _iterations(op)
+        if size is None or count is None:
+            return None
+        return size[0] * count, size[1] * count
+    if op.type in _CALLS:
+        body = _function_graph(op, "f")
+        inner = body.outputs[tensor.value_index]
+        found = list_bytes(inner, depth + 1)
+        if found is None and inner.op.type == "Placeholder" and inner in body.inputs:
+            return ("input", body.inputs.index(inner))
+        return (0, 0) if isinstance(found, tuple) and found[0] == "input" else found
+    if op.type == "Identity":
+        return list_bytes(op.inputs[0], depth + 1)
+    if op.type == "TensorListFromTensor":
+        return tensor_bytes(op.inputs[0].shape, op.inputs[0].dtype)
+    return 0, 0
+
+
+# TensorFlow's CPU convolution gradient kernels (without oneDNN) work on
+# patches of `shard` images at a time, `shard` chosen to fill what they take
+# for an L3 cache: 30 MiB (conv_grad_filter_ops.cc, conv_grad_input_ops.cc).
+_CPU_WORKING_SET = 30 * 2**20
+
+
+def _cpu_scratch(op):
+    """Bytes a CPU convolution gradient kernel allocates for itself while it runs."""
+    if op.type == "Conv2DBackpropFilter":
+        kernel = op.outputs[0].shape  # the filter's gradient: the filter's shape
+    elif op.type == "Conv2DBackpropInput":
+        kernel = op.inputs[1].shape
+    else:
+        return 0
+    gradient = op.inputs[2].shape  # the gradient of the convolution's output
+    if kernel.rank != 4 or gradient.rank != 4 or None in kernel.as_list():
+        return 0
+    channels_last = op.get_attr("data_format") == b"NHWC"
+    rows, cols = gradient[1:3] if channels_last else gradient[2:4]
+    if rows is None or cols is None:
+        return 0
+    pixels, patch, depth = rows * cols, kernel[0] * kernel[1] * kernel[2], kernel[3]
+    itemsize = op.inputs[2].dtype.size
+    if op.type == "Conv2DBackpropInput":
+        return pixels * patch * itemsize  # one image's patches
+    work = pixels * patch + pixels * depth + patch * depth
+    shard = -(-(_CPU_WORKING_SET // itemsize) // work)
+    return shard * pixels * patch * itemsize
+
+
+class StepGraph:
+    """The tensors of a traced step: their sizes, producers and users.
+
+    Args:
+        graph: the traced `FuncGraph`.
+        kept: tensors alive to the end of the step (the gradients it returns).
+        cpu: bool, whether to count the working memory of TensorFlow's CPU
+            convolution gradient kernels (a fixed patch buffer of up to 30 MiB
+            each, while it or its sibling gradient runs). Defaults to True.
+
+    Attributes:
+        ops: the graph's ops in the order they were made.
+        sizes: (n, 2) array, each buffer's bytes per sample and fixed bytes.
+        producer: the op index that allocates each buffer.
+        users: for each buffer, the op indices that read it (a view of it
+            counts as the buffer).
+        kept: buffers alive to the end (the inputs and `kept`).
+        unknown: names of tensors whose size could not be read (counted as
+            their largest input of the same dtype).
+    """
+
+    def __init__(self, graph, kept, cpu=True):
+        self.ops = graph.get_operations()
+        self._elements = _Elements()
+        self.buffer_of, sizes, self.producer, self.unknown = {}, [], [], []
+        self.kept = set()
+        for i, op in enumerate(self.ops):
+            for tensor in op.outputs:
+                buffer = self._alias(op, tensor)
+                if buffer is None and op.type not in _NOTHING_NEW:
+                    buffer = len(sizes)
+                    sizes.append(self._size(op, tensor))
+                    self.producer.append(i)
+                    if op.type == "Placeholder":
+                        self.kept.add(buffer)
+                if buffer is not None:
+                    self.buffer_of[tensor.ref()] = buffer
+        # A convolution's input and filter gradients read the same incoming
+        # gradient and run side by side (several inter-op threads, as by
+        # default): each one's patch buffer is alive while either runs.
+        scratch_users = {}
+        for i, op in enumerate(self.ops if cpu else ()):
+            scratch = _cpu_scratch(op)
+            if scratch:
+                sizes.append((0, scratch))
+                self.producer.append(i)
+                scratch_users.setdefault(op.inputs[2].ref(), []).append((len(sizes) - 1, i))
+        self.sizes = np.array(sizes, dtype=np.float64).reshape(-1, 2)
+        self.users = [[] for _ in sizes]
+        for pair in scratch_users.values():
+            for buffer, _ in pair:
+                self.producer[buffer] = min(op for _, op in pair)
+                self.users[buffer] = [op for _, op in pair]
+        for i, op in enumerate(self.ops):
+            if op.type in _SHAPE_READERS:
+                continue
+            for tensor in op.inputs:
+                buffer = self.buffer_of.get(tensor.ref())
+                if buffer is not None:
+                    self.users[buffer].append(i)
+        for tensor in kept:
+            buffer = self.buffer_of.get(tensor.ref())
+            if buffer is not None:
+                self.kept.add(buffer)
+        self._forward_in_place()
+
+    def _forward_in_place(self):
+        """Lets element-wise ops write into an input used for the last time."""
+        owner = list(range(len(self.sizes)))  # a merged buffer's owner
+
+        def find(buffer):
+            while owner[buffer] != buffer:
+                owner[buffer] = owner[owner[buffer]]
+                buffer = owner[buffer]
+            return buffer
+
+        for i, op in enumerate(self.ops):
+            if op.type not in _IN_PLACE or len(op.outputs) != 1:
+                continue
+            output = self.buffer_of.get(op.outputs[0].ref())
+            if output is None or self.producer[output] != i or output in self.kept:
+                continue
+            for tensor in op.inputs:
+                buffer = self.buffer_of.get(tensor.ref())
+                buffer = None if buffer is None else find(buffer)
+                if (buffer is None or buffer in self.kept or buffer == output
+                        or tensor.dtype != op.outputs[0].dtype
+                        or max(self.users[buffer], default=-1) != i
+                        or not np.array_equal(self.sizes[buffer], self.sizes[output])):
+                    continue
+                self.users[buffer].extend(self.users[output])
+                self.users[output] = []
+                self.sizes[output] = 0
+                owner[output] = buffer
+                break
+        for ref, buffer in self.buffer_of.items():
+            self.buffer_of[ref] = find(buffer)
+
+    def _alias(self, op, tensor):
+        """The buffer `tensor` shares with an input, or None for a new one."""
+        if tensor.dtype not in (tf.resource, tf.variant):
+            self._elements.count(op, tensor)
+        if op.type in _VIEWS and op.inputs:
+            return self.buffer_of.get(op.inputs[0].ref())
+        if tensor.dtype == tf.variant and op.type in _LOOPS:
+            found = list_bytes(tensor)
+            if isinstance(found, tuple) and found and found[0] == "input":
+                return self.buffer_of.get(op.inputs[found[1]].ref())
+        return None
+
+    def _size(self, op, tensor):
+        """(per sample, fixed) bytes of a new buffer; (0, 0) where unknown.
+
+        What TensorFlow cannot infer a shape for is, in the models measured,
+        a reduction of a broadcast gradient (whose kernel passes its input on
+        where nothing was broadcast) or a kernel's reserved space.
+        """
+        if tensor.dtype == tf.variant:
+            size = list_bytes(tensor)
+            if size is not None:
+                return (0, 0) if size[0] == "input" else size
+        elif tensor.dtype == tf.resource:
+            return 0, 0
+        else:
+            per_sample = self._elements.count(op, tensor)
+            if per_sample:
+                return per_sample, 0
+            if per_sample == 0:
+                return tensor_bytes(tensor.shape, tensor.dtype)
+        self.unknown.append(tensor.name)
+        return 0, 0
+
+    def leave_out_inputs(self):
+        """Counts the step's inputs (placeholders) as nothing."""
+        for buffer, producer in enumerate(self.producer):
+            if self.ops[producer].type == "Placeholder":
+                self.sizes[buffer] = 0
+
+    def dataflow_order(self):
+        """The position at which each op runs when each runs as soon as its
+        inputs are ready, first ready first run (TensorFlow's executor with one
+        inter-op thread)."""
+        index = {op: i for i, op in enumerate(self.ops)}
+        waiting = [0] * len(self.ops)
+        after = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            sources = {index[t.op] for t in op.inputs} | {index[c] for c in op.control_inputs}
+            waiting[i] = len(sources)
+            for source in sources:
+                after[source].append(i)
+        ready = collections.deque(i for i, count in enumerate(waiting) if count == 0)
+        position, now = np.zeros(len(self.ops), dtype=np.int64), 0
+        while ready:
+            i = ready.popleft()
+            position[i], now = now, now + 1
+            for j in after[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    ready.append(j)
+        return position
+
+    def lifetimes(self, position=None):
+        """Each buffer's (first, last) position when op i runs at `position[i]`
+        (default: in the order the ops were made)."""
+        if position is None:
+            position = np.arange(len(self.ops))
+        end = len(self.ops)
+        first = position[np.array(self.producer, dtype=np.int64)]
+        last = np.array([max((position[u] for u in users), default=first[b])
+                         for b, users in enumerate(self.users)], dtype=np.int64)
+        for buffer in self.kept:
+            last[buffer] = end
+        return first, last
+
+    def peak(self, batch, order="dataflow"):
+        """The most bytes alive at once when the ops run in `order`
+        ("dataflow" or "graph", the order they were made)."""
+        position = self.dataflow_order() if order == "dataflow" else None
+        first, last = self.lifetimes(position)
+        return Profile(first, last, self.sizes, len(self.ops) + 1).peak(batch)
+
+
+class Profile:
+    """Bytes alive over a schedule of `length` steps, from buffers' lifetimes.
+
+    A buffer is alive from its `first` step to its `last` step, both
+    included; `peak(batch)` is the largest sum over a step, each buffer
+    counted as `per_sample * batch + fixed` bytes.
+    """
+
+    def __init__(self, first, last, sizes, length):
+        per_sample, fixed = np.zeros(length + 1), np.zeros(length + 1)
+        np.add.at(per_sample, first, sizes[:, 0])
+        np.add.at(per_sample, np.asarray(last) + 1, -sizes[:, 0])
+        np.add.at(fixed, first, sizes[:, 1])
+        np.add.at(fixed, np.asarray(last) + 1, -sizes[:, 1])
+        self.per_sample = np.cumsum(per_sample)[:length]
+        self.fixed = np.cumsum(fixed)[:length]
+
+    def peak(self, batch):
+        return float(np.max(self.per_sample * batch + self.fixed, initial=0.0))
+
+
+def trace(call, specs, variables):
+    """The `FuncGraph` of `call(*inputs)` and its gradient, and the gradients.
+
+    `call` maps input tensors (shaped like `specs`, the batch axis unknown)
+    to a scalar loss; the gradient is taken with respect to `variables`.
+    Nothing runs: the graph is only built.
+    """
+    kept = []
+
+    def step(*inputs):
+        with tf.GradientTape() as tape:
+            loss = call(*inputs)
+        gradients = tape.gradient(loss, variables)
+        for gradient in gradients:
+            if isinstance(gradient, tf.IndexedSlices):
+                kept.extend([gradient.values, gradient.indices])
+            elif gradient is not None:
+                kept.append(gradient)
+        return gradients
+
+    function = tf.function(step, input_signature=specs, autograph=False)
+    return function.get_concrete_function().graph, kept
