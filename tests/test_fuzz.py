@@ -103,11 +103,25 @@ FOUND = {
         loss_weights=True, optimizer="Lamb" if not LEGACY else "Adam",
         split=(("micro_batch_size", 5),), steps_per_execution=3,
     ),
+    # A dict of losses on a subclassed model: its outputs' names were looked up on the
+    # model, which has none, so the ignored class counted (0.24 from plain Keras).
+    "ignore-class-in-a-dict-of-losses-of-a-subclassed-model": case(
+        build="subclassed", outputs="dict",
+        heads=(TWO[0], Head("sparse", None, True, False, ignore_class=0)),
+    ),
 }
 
 
+# tf_keras's `SparseCategoricalCrossentropy(ignore_class=...)` is NaN on a batch whose
+# targets are all ignored (Keras 3's is 0): a micro-batch of three such targets is.
+KNOWN = {"ignore-class-in-a-dict-of-losses-of-a-subclassed-model"} if LEGACY else set()
+
+
 @pytest.mark.parametrize("name", sorted(FOUND))
-def test_found_case_matches_plain_keras(name):
+def test_found_case_matches_plain_keras(name, request):
+    if name in KNOWN:
+        reason = "tf_keras: an ignore_class loss is NaN on a micro-batch of ignored targets"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     result = run(FOUND[name])
     assert result.passed, result.line()
 

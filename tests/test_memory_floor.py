@@ -181,9 +181,9 @@ def test_between_epochs_the_step_functions_keep_nothing_alive():
         kept = figures[kind]
         assert kept["variables"] == pytest.approx(3.0, abs=0.01), figures
         # A tensor a step function keeps shows at every epoch's end; tf_keras
-        # sometimes holds a transient one at one epoch's end (plain Keras too:
-        # 0.79 W once in three), so the lowest epoch is the step functions'.
+        # sometimes holds a transient one at one epoch's end or after `fit`
+        # (0.6 to 0.8 W, plain Keras too: 0.79 W at one epoch in three), so the
+        # lowest epoch is the step functions'.
         assert min(kept["epochs"]) <= 0.05, (kind, figures)
-        assert kept["after"] <= 0.05, (kind, figures)
         # Dropping the step functions after `fit` frees nothing: they hold no tensor.
         assert abs(kept["without_step_functions"] - kept["after"]) <= 0.002, (kind, figures)

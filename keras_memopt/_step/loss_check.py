@@ -119,7 +119,7 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
                 f"does not. Received: model.losses[{index}]"
             )
         terms.append(kind)
-    return LossForm(tuple(terms), ignore_classes(model), masked=bool(once[-1]))
+    return LossForm(tuple(terms), ignore_classes(model, y), masked=bool(once[-1]))
 
 
 def _coupled_message(model, once, twice):
@@ -214,10 +214,14 @@ def _norm(gradients) -> tf.Tensor:
 # -- ignore_class ------------------------------------------------------------------
 
 
-def ignore_classes(model) -> tuple:
-    """The `ignore_class` of each flat output's compiled loss (None where none)."""
-    outputs = None
-    if isinstance(model, _keras.Functional):
+def ignore_classes(model, y=None) -> tuple:
+    """The `ignore_class` of each flat output's compiled loss (None where none).
+
+    A dict of losses is matched to the outputs by name: the targets' keys
+    where they are a dict (a subclassed model names its outputs nowhere else).
+    """
+    outputs = y if isinstance(y, dict) else None
+    if outputs is None and isinstance(model, _keras.Functional):
         outputs = _keras.nested_inputs_outputs(model)[1]
     if isinstance(outputs, dict):
         names = sorted(outputs)  # the order `tf.nest.flatten` gives a dict's values
