@@ -8,10 +8,11 @@ attempt can run again on the same batch) and runs the model's step on it.
 
 With an out-of-memory policy attached (`OOMBackoff`, or
 `micro_batch_size="auto"`), `run` is one retry loop: attempt the step; on an
-out-of-memory error put back what the attempt changed (`keras_memopt.
-_rollback`), ask the policy (which sets a smaller micro-batch, or raises its
-report), and attempt the same batch again. Under several workers all agree
-on each attempt, before its collective part and after it
+out-of-memory error put back what the attempt changed
+(`keras_memopt._oom.rollback`), ask the policy (which sets a smaller
+micro-batch, or raises its report), and attempt the same batch again.
+Under several workers all agree on each attempt, before its collective part
+and after it
 (`keras_memopt._oom.coordinator`). The micro-batch size is run-time state of
 the step, so a retry traces nothing. An out-of-memory error is kept as its
 text, its tracebacks dropped: nothing of a failed attempt outlives the retry.
