@@ -29,6 +29,15 @@ class TestEstimate:
         # 32 float32 inputs and one int32 label per sample, for the whole batch.
         assert estimate.input_batch == 256 * (32 * 4 + 4)
 
+    def test_a_step_that_cannot_be_traced_is_refused_with_why(self, keras_module):
+        # The trace failing is faked: `fit` traces the same step, so a model
+        # that trains traces; the test is of what the planner says then.
+        planner = MemoryPlanner(_mlp(keras_module), optimizer="adam")
+        failure = ValueError("a layer needs a known batch size")
+        with mock.patch("keras_memopt._remat.liveness.trace", side_effect=failure):
+            with pytest.raises(ValueError, match="trace failed: ValueError: a layer needs"):
+                planner.estimate(256, 32)
+
     def test_one_micro_batch_holds_no_gradient_sum_beside_its_gradients(self, keras_module):
         # The first micro-batch's gradients start the sums.
         planner = MemoryPlanner(_mlp(keras_module), optimizer="adam")

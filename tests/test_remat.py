@@ -305,6 +305,17 @@ class TestSegmentChoice:
         assert model.recomputed_segments == []
         assert model.remat_choice.startswith("none: estimated")
 
+    def test_auto_recomputes_nothing_where_the_step_cannot_be_traced(self, monkeypatch):
+        # The trace failing is faked (a model that trains traces): the model
+        # trains without recomputation, and the warning says why.
+        def fail(*args, **kwargs):
+            raise TypeError("a layer needs a known batch size")
+
+        monkeypatch.setattr("keras_memopt._remat.liveness.trace", fail)
+        with pytest.warns(UserWarning, match="could not be traced .*TypeError: a layer needs"):
+            model = _residual_auto(4096)
+        assert model.recomputed_segments == []
+
     def test_summary_says_what_auto_chose_and_why(self):
         model = _residual_auto(4096)
         lines = []

@@ -20,51 +20,10 @@ from keras_memopt._remat import choice as _remat_choice
 from keras_memopt._remat import graph as _graph
 from keras_memopt._remat.recompute import check_no_activity_regularizer, on, on_device, recompute
 
-
-def _estimate_peak(blocks, boundaries, cuts):
-    """Estimated activation peak (bytes) when cutting after the given blocks.
-
-    Segments before the last are recomputed: during the backward pass of
-    segment k the stored boundary tensors up to k and the segment's own
-    activations are alive. The last segment is not recomputed.
-    """
-    peak, stored, start = 0, 0, 0
-    for end in [*cuts, len(blocks) - 1]:
-        peak = max(peak, stored + sum(blocks[start : end + 1]))
-        if end < len(blocks) - 1:
-            stored += boundaries[end]
-        start = end + 1
-    return peak
-
-
 # The micro-batch size `remat="auto"` estimates peaks at where the model has
 # no number for it (the whole batch, or "auto"): large, so that candidates are
 # ranked by what each sample keeps, where recomputation matters.
 _NOMINAL_BATCH = 4096
-
-
-def _choose_cuts(blocks, boundaries):
-    """Cuts minimising the estimated peak over a range of segment budgets.
-
-    Only where the step cannot be traced: `blocks` and `boundaries` are
-    output bytes, which miss what a block keeps inside.
-    """
-    total = sum(blocks)
-    best_cuts, best_peak = [], total
-    low = max(max(blocks), 1)
-    steps = 64
-    for step in range(steps + 1):
-        budget = low * (max(total, low) / low) ** (step / steps)
-        cuts, running = [], 0
-        for index, size in enumerate(blocks[:-1]):
-            running += size
-            if running + blocks[index + 1] > budget:
-                cuts.append(index)
-                running = 0
-        peak = _estimate_peak(blocks, boundaries, cuts)
-        if peak < best_peak or (peak == best_peak and len(cuts) < len(best_cuts)):
-            best_cuts, best_peak = cuts, peak
-    return best_cuts, best_peak
 
 
 class Cuts(NamedTuple):
@@ -85,11 +44,10 @@ def plan_segments(model, remat, batch=None) -> Cuts:
     (none, one segment per block, every k blocks) played on it
     (`keras_memopt._remat.choice`); the lowest estimated peak at `batch`
     samples wins (defaults to the model's `micro_batch_size` where it is a
-    number, else 4096). Where the step cannot be traced, the segments are
-    chosen from the blocks' output sizes instead (the note says so). The
-    last segment (the head, whose backward pass starts right after its
-    forward pass) is never recomputed. Only the model's own graph is
-    searched: a nested model is one node.
+    number, else 4096); where the step cannot be traced, nothing is
+    recomputed (the warning says why). The last segment (the head, whose
+    backward pass starts right after its forward pass) is never recomputed.
+    Only the model's own graph is searched: a nested model is one node.
     """
     graph = _graph.Graph(model)
     if remat != "auto":
@@ -102,15 +60,16 @@ def plan_segments(model, remat, batch=None) -> Cuts:
     if batch is None:
         size = getattr(model, "micro_batch_size", None)
         batch = size if isinstance(size, int) else _NOMINAL_BATCH
-    chosen, note = _auto_cuts(model, graph, separators, batch)
+    chosen, note, traced = _auto_cuts(model, graph, separators, batch)
     if not chosen:
+        why = note if not traced else (
+            "no set of segments between tensors that separate its graph saves 5% or more "
+            "of its estimated step peak" + (f" ({note})" if note else "")
+        )
         warnings.warn(
-            f"remat='auto' found nothing worth recomputing in model "
-            f"{model.name!r}: no set of segments between tensors that separate "
-            "its graph saves 5% or more of its estimated step peak"
-            + (f" ({note})" if note else "")
-            + ". Training goes on without recomputation; wrap blocks in "
-            "`keras_memopt.Remat` or name cut layers in `remat=[...]`.",
+            f"remat='auto' found nothing worth recomputing in model {model.name!r}: {why}. "
+            "Training goes on without recomputation; wrap blocks in `keras_memopt.Remat` "
+            "or name cut layers in `remat=[...]`.",
             stacklevel=3,
         )
         return Cuts([], graph, note)
@@ -149,23 +108,16 @@ def estimated_candidates(model, batch):
 
 
 def _auto_cuts(model, graph, separators, batch):
-    """(indices into `separators`, note) chosen for `remat="auto"`."""
+    """(indices into `separators`, note, whether the step was traced) for `remat="auto"`."""
     if not separators:
-        return [], ""
+        return [], "", True
     units = SegmentPlan(model, separators, graph).segments
     try:
         choice = _remat_choice.choose(_remat_choice.TracedUnits(model, units), batch)
     except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
-        blocks, start = [], 0
-        for end in [*separators, len(graph.nodes) - 1]:
-            blocks.append(sum(graph.sizes[start : end + 1]))
-            start = end + 1
-        chosen, peak = _choose_cuts(blocks, [graph.sizes[i] for i in separators])
-        if peak >= 0.9 * sum(blocks):
-            chosen = []
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        return chosen, f"chosen from output sizes; the step could not be traced ({reason})"
-    return choice.cuts, choice.note
+        return [], f"its step could not be traced to estimate its peak ({reason})", False
+    return choice.cuts, choice.note, True
 
 
 class SegmentPlan:

@@ -5,8 +5,7 @@ the variables; the activations from the model's traced forward pass and
 gradient (`StepActivations`, see `keras_memopt._remat.liveness`): what each layer
 keeps for its backward pass (a recurrent layer's gates and states per time
 step, attention's score matrices, normalisation statistics, dropout masks)
-and the gradient's working tensors, alive at once at the step's peak. Where
-the step cannot be traced, from each layer's output shape (`layer_table`).
+and the gradient's working tensors, alive at once at the step's peak.
 """
 
 from __future__ import annotations
@@ -19,15 +18,12 @@ from keras_memopt import _keras
 from keras_memopt._remat import liveness as _liveness
 from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
-keras = _keras.keras
-
 __all__ = [
     "MemoryEstimate",
     "StepActivations",
     "WeightBytes",
     "input_bytes_per_sample",
     "known_inputs",
-    "layer_table",
     "optimizer_slot_copies",
 ]
 
@@ -47,20 +43,6 @@ _SLOTS = {
     "RMSprop": None,
     "Adafactor": 0,  # factored: its state is far smaller than the variables
 }
-
-# Copies of a layer's output that its backward pass keeps alive, per layer
-# class, beyond the output itself (dropout keeps its mask, layer normalisation
-# its centred input and statistics, GELU its intermediate terms).
-_EXTRA_COPIES = {
-    "Dropout": 1.0,
-    "LayerNormalization": 2.0,
-    "BatchNormalization": 1.0,
-    "GroupNormalization": 2.0,
-}
-
-# Activations whose gradient needs more than the layer's output.
-_COSTLY_ACTIVATIONS = ("gelu", "swish", "silu", "elu", "selu", "tanh", "sigmoid", "softmax")
-
 
 def optimizer_slot_copies(optimizer) -> float:
     """Copies of the trainable variables that `optimizer` keeps as its state."""
@@ -84,66 +66,12 @@ def optimizer_slot_copies(optimizer) -> float:
     return copies + (1.0 if config.get("use_ema") else 0.0)
 
 
-def _leaf_layers(model):
-    for layer in model.layers:
-        if isinstance(layer, keras.Model) and hasattr(layer, "layers") and layer.layers:
-            yield from _leaf_layers(layer)
-        elif type(layer).__name__ != "InputLayer":
-            yield layer
-
-
-def _layer_activations(layer):
-    """(bytes per sample the backward pass keeps for `layer`, note)."""
-    try:
-        output = layer.output
-    except (AttributeError, ValueError, RuntimeError):
-        return 0, "output shape unknown (layer used more than once?)"
-    per_sample = bytes_per_sample(output)
-    if per_sample is None:
-        return 0, "dynamic output shape"
-    name = type(layer).__name__
-    if name == "MultiHeadAttention":
-        return _attention_activations(layer, output, per_sample), ""
-    copies = 1.0 + _EXTRA_COPIES.get(name, 0.0)
-    activation = getattr(getattr(layer, "activation", None), "__name__", None)
-    if activation in _COSTLY_ACTIVATIONS:
-        copies += 1.0
-    return int(per_sample * copies), ""
-
-
-def _attention_activations(layer, output, output_bytes):
-    # Query, key and value projections, the attention logits and their
-    # softmax (and dropout), the attended values and the output projection.
-    # (tf_keras keeps the sizes in private attributes.)
-    heads = getattr(layer, "num_heads", None) or layer._num_heads
-    key_dim = getattr(layer, "key_dim", None) or layer._key_dim
-    value_dim = getattr(layer, "value_dim", None) or getattr(layer, "_value_dim", None) or key_dim
-    length = output.shape[1] if len(output.shape) == 3 else 1
-    itemsize = tf.as_dtype(output.dtype).size
-    projections = length * heads * (2 * key_dim + 2 * value_dim) * itemsize
-    dropout = getattr(layer, "dropout", None) or getattr(layer, "_dropout", 0)
-    scores = heads * length * length * itemsize * (3 if dropout else 2)
-    return int(projections + scores + output_bytes)
-
-
 def known_inputs(model):
     """The model's (inputs, outputs), or (None, None) where it has none (subclassed)."""
     try:
         return model.inputs, model.outputs
     except (AttributeError, ValueError):
         return None, None
-
-
-def layer_table(model) -> list[tuple[str, str, int, str]]:
-    """(layer name, class, activation bytes per sample, note) for each leaf layer."""
-    inputs, _ = known_inputs(model)
-    if not inputs:
-        return []
-    rows = []
-    for layer in _leaf_layers(model):
-        size, note = _layer_activations(layer)
-        rows.append((layer.name, type(layer).__name__, size, note))
-    return rows
 
 
 class StepActivations:
@@ -156,40 +84,33 @@ class StepActivations:
     the batch. `cpu` adds the working memory of TensorFlow's CPU convolution
     gradient kernels.
 
-    Where the step cannot be traced (`note` says why), each layer's output
-    shape gives a figure per sample instead (`layer_table`).
-
     Args:
         model: a built `keras.Model` with known inputs.
         cpu: bool, whether the step runs on a CPU.
+
+    Raises:
+        ValueError: if the step cannot be traced (as `fit` traces it).
     """
 
     def __init__(self, model, cpu):
         self.model = model
-        self.note = ""
         self._gradients = sum(bytes_if_known(v.shape, v.dtype) for v in model.trainable_weights)
         try:
             self._step = _trace_model(model, cpu)
-        except Exception as error:  # noqa: BLE001 - any failure: count per layer instead
-            self._step = None
-            self.note = (
-                "the step could not be traced "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                "activations counted from each layer's output shape"
-            )
-            self._per_layer = sum(size for _, _, size, _ in layer_table(model))
+        except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
+            raise ValueError(
+                f"The planner traces a train step of model {model.name!r} to count its "
+                "activations, and the trace failed: "
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            ) from error
 
     def bytes(self, micro_batch_size: int) -> int:
         """Activation bytes at the peak of a step on `micro_batch_size` samples."""
-        if self._step is None:
-            return self._per_layer * micro_batch_size
         return max(int(self._step.peak(micro_batch_size)) - self._gradients, 0)
 
     @property
     def per_sample(self) -> float:
         """What one more sample adds at the peak (at large micro-batches)."""
-        if self._step is None:
-            return float(self._per_layer)
         return (self.bytes(2048) - self.bytes(1024)) / 1024
 
 

@@ -129,7 +129,6 @@ class MemoryPlanner:
         self.device = device
         self._calibration = None
         self._cannot_isolate = None  # why a fresh process cannot rebuild the model
-        self.layers = _estimate.layer_table(model)
         self._activations = None  # traced on first use
 
     # -- shapes ---------------------------------------------------------------------
