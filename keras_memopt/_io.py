@@ -23,10 +23,10 @@ def _interactive() -> bool:
     return True if enabled is None else bool(enabled())
 
 
-def print_msg(message: str, line_break: bool = True):
+def print_msg(message: str):
     """Prints `message` where Keras prints its own messages."""
     if _interactive():
-        sys.stdout.write(message + ("\n" if line_break else ""))
+        sys.stdout.write(message + "\n")
         sys.stdout.flush()
     else:
         _LOGGER.info(message)

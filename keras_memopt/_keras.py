@@ -30,11 +30,6 @@ InputLayer = keras.layers.InputLayer
 register_serializable = keras.saving.register_keras_serializable
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
 
-# Loss reductions under which a batch's loss is the per-sample mean, the form
-# that micro-batches weighted by their share of the batch reproduce exactly.
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
-
-
 def check_line(name, value):
     """Raises when `value` holds objects of the other Keras line than the one in use.
 
@@ -78,16 +73,6 @@ def built_input_shape(model):
     if shape is None or not all(isinstance(d, (int, type(None))) for d in shape):
         return None
     return (None, *tuple(shape)[1:])
-
-
-def loss_reduction(loss):
-    """The reduction of a `keras.losses.Loss` instance, or None for others."""
-    reduction = getattr(loss, "reduction", None)
-    return None if reduction is None else str(reduction).lower()
-
-
-def mean_reduction(reduction):
-    return reduction is None or reduction in _MEAN_REDUCTIONS
 
 
 def resolve_jit_compile(model, jit_compile):

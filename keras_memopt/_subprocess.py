@@ -114,10 +114,7 @@ def _environment(env):
 
 
 class Child:
-    """A Python process started by `start()`; `wait()` for its `Output`.
-
-    A context manager: leaving the block kills the child if it still runs.
-    """
+    """A Python process started by `start()`; `wait()` for its `Output`."""
 
     def __init__(self, args, env=None, stdin=None, name=None):
         self.args = [sys.executable, *args]
@@ -175,12 +172,6 @@ class Child:
         self.kill()
         for file in self._files:
             file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
 
 
 def start(args, env=None, stdin: str | None = None, name: str | None = None) -> Child:

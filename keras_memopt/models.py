@@ -339,7 +339,9 @@ class AccumulatingModel(
             self.jit_compile = False
         _update.chain_updates(self.optimizer, place_on_variable_device=self.devices is not None)
         if self._placement is not None:
-            placement.build_optimizer(self.optimizer, self.trainable_variables)
+            # Built here, outside any traced step, each slot is made on its
+            # variable's device (inside the step, all on the default device).
+            _keras.build_optimizer(self.optimizer, self.trainable_variables)
 
     def _make_runner(self, kind, force):
         attribute = f"{kind}_function"

@@ -29,7 +29,6 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._remat import graph as _graph
 from keras_memopt._remat import segments as _segments
-from keras_memopt._step import update as _update
 
 __all__ = ["Placement", "PlacementMixin", "build_plan", "place", "validate"]
 
@@ -260,25 +259,6 @@ def jit_compile(placement, jit_compile):
             f"jit_compile=True with devices={list(placement.devices)!r}"
         )
     return False
-
-
-def build_optimizer(optimizer, variables):
-    """Builds `optimizer` for placed `variables`: each slot and update on its variable's device.
-
-    Keras builds the optimizer inside the first traced step, where its slot
-    variables would all be created on the default device; built here,
-    outside any traced function, each slot is created where its variable is
-    (the optimizer colocates them). The arithmetic of an update (Keras's
-    `update_step`, one variable at a time) carries no device either, so it is
-    run under its variable's device (`keras_memopt._step.update.chain_updates`).
-    Optimizers without `update_step` (tf_keras's legacy ones) update with
-    fused ops that run where the variable is.
-    """
-    _update.chain_updates(optimizer, place_on_variable_device=True)
-    build = getattr(optimizer, "build", None)
-    if build is not None and not getattr(optimizer, "built", False):
-        with tf.init_scope():
-            build(variables)
 
 
 def build_plan(model, remat, placement):

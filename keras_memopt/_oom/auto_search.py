@@ -3,14 +3,11 @@
 The search starts with the whole batch as one micro-batch; each
 out-of-memory error is rolled back and the micro-batch shrunk by the policy
 an `OOMBackoff` attached (or a quiet `BackoffPolicy` with its defaults). The
-first size that runs is only a candidate: one step that ran says little of
-the next, whose peak can be higher (TensorFlow's executor times the ops of
-the first steps and then runs more of them side by side; on ResNet50 the
-step after the one that chose 64 ran out of memory at 64). So the search
-goes on for `STEPS` consecutive steps at the candidate (real training steps;
-an out-of-memory error among them is rolled back and shrinks the size as
-before, and the run starts again), reading each step's peak from the
-allocator. The margin is the spread of those peaks (how far the highest
+first size that runs is only a candidate (a later step's peak can be
+higher): the search goes on for `STEPS` consecutive steps at it (real
+training steps; an out-of-memory error among them is rolled back and
+shrinks the size as before, and the run starts again), reading each step's
+peak from the allocator. The margin is the spread of those peaks (how far the highest
 rose above the median: `headroom`): where the highest peak plus the margin
 does not fit in what the device can hand out, the size is shrunk by the
 policy's factor (no step fails for it) and a new run starts. The choice and

@@ -3,7 +3,7 @@
 The step runner attempts a step in three calls: `run` (the part of the step
 that may fail on this worker alone), `agree` (every worker's status) and
 `finish` (the rest). On one worker (`OneWorker`) the whole step is `run`,
-and the other two do nothing. Under several workers (`SeveralWorkers`) a
+and nothing is agreed. Under several workers (`SeveralWorkers`) a
 worker that retried alone would wait in collective ops the others never
 join (measured: every worker hangs), so `run` is the step's part without
 collective ops, all agree whether any must retry, and `finish` is the
@@ -68,9 +68,6 @@ class OneWorker:
 
     def agree(self, status: StepStatus) -> StepStatus:
         return status
-
-    def finish(self, outputs):
-        return outputs
 
     def finish_agreed(self, outputs):
         """`(outputs, StepStatus.OK, None)`: the whole step ran in `run`."""

@@ -175,14 +175,9 @@ def allocation_note(error: BaseException) -> str:
 class ErrorText:
     """An error in words: the name of its type and its message, nothing else.
 
-    What is kept of an out-of-memory error after its step was put back. The
-    exception itself holds its traceback, whose frames hold the failed
-    step's batch and, through their callers, `fit`'s iterator and data set;
-    the frame that caught it holds the exception in turn, so the two keep
-    each other until a full garbage collection. Measured on an MLP under a
-    real limit: each backoff that kept its exception kept its 4 MiB batch
-    allocated, and the next epoch ran out of memory again at the size that
-    had trained the whole epoch before.
+    What is kept of an out-of-memory error after its step was put back: the
+    exception's traceback frames hold the failed step's batch and, through
+    their callers, `fit`'s iterator and data set.
     """
 
     name: str

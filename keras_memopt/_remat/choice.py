@@ -118,7 +118,6 @@ class TracedUnits:
         for index in range(self.backward_start, len(ops)):
             found = _differentiated(ops[index].name, named)
             unit[index] = self._from_inputs(index, unit, read_by) if found is None else found
-        self.unit = unit
         self.gradient_unit = np.ceil(np.maximum(unit[self.backward_start:], -0.5))
 
     def _read_by(self, unit):
@@ -155,10 +154,10 @@ class TracedUnits:
         gradient_segment[finite] = segment_of_unit[
             np.clip(self.gradient_unit[finite].astype(np.int64), 0, self.count - 1)
         ]
-        position, again = self._positions(forward_segment, recomputed, gradient_segment, last)
+        position, again = self._positions(forward_segment, gradient_segment, last)
         return self._lifetimes(position, again, forward_segment, recomputed, gradient_segment)
 
-    def _positions(self, forward_segment, recomputed, gradient_segment, last):
+    def _positions(self, forward_segment, gradient_segment, last):
         """Where each op runs in the schedule; `again[i]`: where a recomputed op runs again."""
         ops = len(self.step.ops)
         position = np.zeros(ops, dtype=np.int64)

@@ -9,12 +9,12 @@ or a sequence's rows where a dense layer folded the time axis into the
 batch axis, followed from the reshape that did); a tensor without one is
 fixed;
 `StepGraph` reads the graph's tensors and when each is last used, and
-`StepGraph.peak(batch)` replays the ops in the order they were made (forward
-pass, then the gradient, layer by layer backwards), adding each op's outputs
-and dropping each tensor after its last use. What the backward pass keeps
-follows from the graph itself: a recurrent layer's per-step gates and states
-(the loop's accumulators, sized from its body), attention's score matrices,
-normalisation statistics, dropout masks.
+`StepGraph.peak(batch)` replays the ops in dataflow order (each as soon as
+its inputs are ready, as TensorFlow's executor runs them with one inter-op
+thread), adding each op's outputs and dropping each tensor after its last
+use. What the backward pass keeps follows from the graph itself: a recurrent
+layer's per-step gates and states (the loop's accumulators, sized from its
+body), attention's score matrices, normalisation statistics, dropout masks.
 
 It is an estimate: TensorFlow's executor may run independent ops in another
 order (and, with several inter-op threads, side by side), kernels allocate
@@ -264,14 +264,12 @@ class StepGraph:
         users: for each buffer, the op indices that read it (a view of it
             counts as the buffer).
         kept: buffers alive to the end (the inputs and `kept`).
-        unknown: names of tensors whose size could not be read (counted as
-            their largest input of the same dtype).
     """
 
     def __init__(self, graph, kept, cpu=True):
         self.ops = graph.get_operations()
         self._elements = _Elements()
-        self.buffer_of, sizes, self.producer, self.unknown = {}, [], [], []
+        self.buffer_of, sizes, self.producer = {}, [], []
         self.kept = set()
         for i, op in enumerate(self.ops):
             for tensor in op.outputs:
@@ -376,7 +374,6 @@ class StepGraph:
                 return per_sample, 0
             if per_sample == 0:
                 return tensor_bytes(tensor.shape, tensor.dtype)
-        self.unknown.append(tensor.name)
         return 0, 0
 
     def leave_out_inputs(self):
@@ -408,24 +405,13 @@ class StepGraph:
                     ready.append(j)
         return position
 
-    def lifetimes(self, position=None):
-        """Each buffer's (first, last) position when op i runs at `position[i]`
-        (default: in the order the ops were made)."""
-        if position is None:
-            position = np.arange(len(self.ops))
-        end = len(self.ops)
+    def peak(self, batch):
+        """The most bytes alive at once when the ops run in dataflow order."""
+        position = self.dataflow_order()
         first = position[np.array(self.producer, dtype=np.int64)]
         last = np.array([max((position[u] for u in users), default=first[b])
                          for b, users in enumerate(self.users)], dtype=np.int64)
-        for buffer in self.kept:
-            last[buffer] = end
-        return first, last
-
-    def peak(self, batch, order="dataflow"):
-        """The most bytes alive at once when the ops run in `order`
-        ("dataflow" or "graph", the order they were made)."""
-        position = self.dataflow_order() if order == "dataflow" else None
-        first, last = self.lifetimes(position)
+        last[list(self.kept)] = len(self.ops)
         return Profile(first, last, self.sizes, len(self.ops) + 1).peak(batch)
 
 

@@ -45,8 +45,9 @@ from keras_memopt._step.loss_check import SUM, LossForm, check, has_compiled_los
 def check_mean_reduction(loss):
     """Refuses, at `compile`, a `keras.losses.Loss` that does not average over samples."""
     for item in tf.nest.flatten(loss):
-        reduction = _keras.loss_reduction(item)
-        if not _keras.mean_reduction(reduction):
+        reduction = getattr(item, "reduction", None)  # a `keras.losses.Loss`'s, on both lines
+        reduction = None if reduction is None else str(reduction).lower()
+        if reduction not in (None, "sum_over_batch_size", "mean", "auto"):
             raise ValueError(
                 "AccumulatingModel needs losses that average over the samples of a "
                 "batch (reduction='sum_over_batch_size', Keras's default) so that "

@@ -135,8 +135,7 @@ class StepRunner:
         if policy is None:
             self.state.guard.disarm()
             self._size_file.write(self._in_use(data))
-            coordinator = self._coordinator(retrying=False)
-            return coordinator.finish(coordinator.run(data, spec))
+            return self._coordinator(retrying=False).run(data, spec)
         outputs = self._with_retries(data, spec, policy)
         size = self._in_use(data)
         if search is not None and search.stepped(_loop.static_batch_size(data), self._peaks):

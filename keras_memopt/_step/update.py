@@ -11,9 +11,7 @@ and make a failed one leave no trace:
 - **One variable after another** (`chain_updates`): Keras's optimizers
   update every variable as a separate set of ops, and TensorFlow runs them
   side by side, each holding temporaries the size of its variable. Chained,
-  the update holds the temporaries of one variable at a time. (Measured: 4 x
-  Dense(1024), SGD with momentum, micro-batch 64: the step's peak above its
-  start 2.4 W unchained, 1.5 W chained, W the weights' bytes.)
+  the update holds the temporaries of one variable at a time.
 - **Known to fit before it starts** (`UpdateGuard`): the first step at each
   micro-batch size measures, with the allocator, what the update allocates
   above its start (the step runner keeps the weights and optimizer variables
@@ -22,13 +20,9 @@ and make a failed one leave no trace:
   the allocator's bytes in use); where it has not, the step stops there with
   an out-of-memory error, before anything of the update has run. Where the
   device's total is not known, the update instead allocates and frees as
-  many bytes as it needs before it starts. Checking is preferred: TensorFlow's
-  BFC allocator hands a request a free chunk of up to twice its size (a
-  chunk is split only where the rest is as large as the request), so a
-  reservation can count for twice the update's need in the step's peak
-  (measured with TensorFlow's profiler: Dense(128 -> 4096) with Adam,
-  micro-batch 32: a 2.27 MiB reservation took a 4 MiB chunk, and the step
-  peaked 0.44 W higher than without it, W the weights' bytes).
+  many bytes as it needs before it starts. Checking is preferred: the BFC
+  allocator may hand a reservation a chunk of up to twice its size, which
+  then counts in the step's peak (docs/oom-backoff.md).
 """
 
 from __future__ import annotations

@@ -38,10 +38,8 @@ class MemoryLogger(keras.callbacks.Callback):
 
     The allocator's figures count everything TensorFlow holds on the device,
     not only the train step: NumPy arrays passed to `fit` become tensors
-    that the allocator holds while `fit` runs. Measured on a CPU, where the
-    data and the step share one allocator: each MiB of `x` added 1.3 to 1.5
-    MiB to the readings. So the peak can be well above `MemoryPlanner`'s
-    figure, which covers the train step alone.
+    that the allocator holds while `fit` runs, so the peak can be well above
+    `MemoryPlanner`'s figure, which covers the train step alone.
 
     The files are checked at the start of training, before the first step:
     a folder that does not exist raises there. As with

@@ -31,36 +31,18 @@ class OOMBackoff(keras.callbacks.Callback):
     micro-batch's activations as measured, the device's total) and what can
     help there; so does an error at `min_micro_batch_size`. Either way the
     model, its optimizer and metrics are left as they were before the
-    failed step. Where the device's total is not known, one smaller
-    micro-batch is tried before a repeated failure of the same allocation
-    is reported that way.
+    failed step. What the rollback keeps and costs, and what the update
+    checks before it starts, are in the user guide's page "Out-of-memory
+    backoff" (docs/oom-backoff.md).
 
-    What the rollback costs: a copy of the small state the micro-batch loop
-    changes (on the device), and, until the step has learned how much memory
-    its update needs (the first step, and the first at each new micro-batch
-    size), a copy of the weights and optimizer variables in host memory.
-    After that, each update first checks that what it needs is free (where
-    the device's total is not known, it reserves it) and does not start where
-    it is not. Free bytes are not one free block: an update the allocator's
-    fragmentation fails part-way is reported as such (restore from a
-    checkpoint). With a custom `train_step` the whole state is kept
-    on the device during each step, which costs its size again at the
-    update.
-
-    The rule is a `BackoffPolicy` (`keras_memopt._oom.backoff`) that the callback
-    owns (`policy`) and sets as the model's `oom_policy` for the length of
-    `fit`, `evaluate` or `predict`; at their end, however they end, the model
-    puts back its previous policy, and XLA where the callback turned XLA off.
-
-    The micro-batch size is run-time state of the step, so a retry traces
-    nothing: it costs the failed attempt (with TensorFlow's own wait before it
-    reports the error) and the rollback. Each backoff prints one line when
-    `verbose` is on and is recorded in `backoffs`. At the end of each epoch
-    the micro-batch the epoch's last step trained with is added to `logs` as
-    `"micro_batch_size"` (as `ReduceLROnPlateau` adds `"learning_rate"`), so
-    `History`, and `CSVLogger` and `TensorBoard` placed after this callback,
-    record it; the progress bar shows it at the epoch's end, in Keras's
-    format for every figure.
+    The callback's `policy` is the model's `oom_policy` for the length of
+    `fit`, `evaluate` or `predict`; the model puts back the one before (and
+    XLA, where the callback turned it off) however the call ends. A retry
+    traces nothing. Each backoff prints one line when `verbose` is on and is
+    recorded in `backoffs`; at the end of each epoch the micro-batch its last
+    step trained with is added to `logs` as `"micro_batch_size"` (as
+    `ReduceLROnPlateau` adds `"learning_rate"`), for `History`, and for
+    `CSVLogger` and `TensorBoard` placed after this callback.
 
     Args:
         factor: float in (0, 1), what the micro-batch is multiplied by at each
@@ -148,10 +130,8 @@ class OOMBackoff(keras.callbacks.Callback):
             model.oom_policy = self.policy
 
     def _leave_xla(self, model):
-        # Measured on TF 2.21 (CPU): after an out-of-memory error inside an
-        # XLA-compiled micro-batch, the allocator's bookkeeping is corrupt and
-        # the process aborts when a buffer is freed later ("Check failed:
-        # h != kInvalidChunkHandle"). No rollback can make that safe.
+        # After an out-of-memory error inside XLA the allocator is corrupt
+        # (docs/oom-backoff.md): no rollback can make it safe.
         requested = _keras.LEGACY or (model.get_compile_config() or {}).get("jit_compile")
         if requested is True:
             raise ValueError(
@@ -176,12 +156,9 @@ class OOMBackoff(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if _keras.LEGACY:
-            # tf_keras keeps each epoch's data iterator (and a dropped
-            # validation handler) in reference cycles, with the batches they
-            # had prefetched allocated on the device until Python's collector
-            # runs: measured 4 MiB more in use at the second epoch's steps,
-            # where a micro-batch size that had trained the first ran out of
-            # memory. Collecting costs about 0.3 s an epoch.
+            # tf_keras keeps each epoch's iterator in reference cycles, its
+            # prefetched batches allocated until the collector runs: a size
+            # that trained one epoch would fail the next (docs/oom-backoff.md).
             gc.collect()
 
     def on_epoch_end(self, epoch, logs=None):

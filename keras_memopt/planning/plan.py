@@ -18,16 +18,11 @@ __all__ = [
 ]
 
 # The share of the budget to keep free when the figures come from shapes
-# alone. Shapes miss TensorFlow's own working memory, most of all the CPU
-# convolution kernels': benchmarks/planner_accuracy.py's small CNN (README,
-# "Planner accuracy", one inter-op thread) peaked up to 3.0 times its
-# shapes-only estimate (54.7 MiB measured, 18.3 estimated, batch 64), and
-# with TensorFlow's default threading, which is how training runs, up to 4.7
-# times (85.5 MiB measured in fresh processes; 2 cores, 2026-11). An
-# estimate kept within a fifth of the budget keeps that promise.
+# alone, which miss working memory no tensor shows (docs/benchmarks.md, "The
+# estimate without measuring").
 SHAPES_ONLY_MARGIN = 0.8
-# After measuring near the recommendation, the same setting's peak still
-# spreads from process to process (up to 16% on the CPU, one inter-op thread).
+# Measured near the recommendation, a step's peak still spreads from process
+# to process (docs/benchmarks.md).
 MEASURED_MARGIN = 0.1
 
 # What a plan's figures cover, said in every table: `MemoryLogger` reads more
@@ -41,13 +36,7 @@ COVERS = (
 
 @dataclasses.dataclass
 class MemoryPlan:
-    """A recommended micro-batch setting for a batch size and a budget.
-
-    Its figures are those of one train step: the parameters, the optimizer's
-    slots, the gradients, the input batch and the activations. The data set
-    is not in them: NumPy arrays passed to `fit` become tensors that
-    TensorFlow's allocator holds while `fit` runs, beside the step, which is
-    why `MemoryLogger` can read more (see `MemoryPlanner`).
+    """A recommended micro-batch setting for a batch size and a budget (see `COVERS`).
 
     Args:
         batch_size: int, the effective batch planned for.

@@ -33,43 +33,19 @@ class MemoryPlanner:
     peak: the parameters, the optimizer's slots, the float32 gradient
     accumulators, one micro-batch's gradients, the whole input batch (the
     effective batch arrives at once) and the activations that one
-    micro-batch's backward pass keeps, layer by layer.
+    micro-batch's step holds at its peak, counted from its traced graph.
 
-    An estimate from shapes alone misses what TensorFlow adds (workspace,
-    allocator rounding, copies a kernel makes): on a CPU, convolutions hold
-    tens of MiB that no shape shows. `profile()` runs real train steps on a
-    copy of the model and records the allocator's peak at each (batch,
-    micro-batch) size it measures; `estimate()` then interpolates between the
-    measured sizes, so its figures are close where it has measured nearby and
-    an extrapolation elsewhere. `plan(..., profile=True)` measures where it
-    matters: at the micro-batch size it is about to recommend, for the batch
-    size asked about, until its recommendation is a measured size.
-
-    Where it measures: the allocator's bytes in use depend on what was
-    allocated and freed before, and in which order, so a copy trained in a
-    process where other copies trained before can peak 15-25% away from the
-    same step in a fresh process, which is what training will run in. So by
-    default, on a CPU, each measurement runs in a fresh Python process (a
-    subprocess that rebuilds the model from `model.to_json()` with fresh
-    weights, with this process's environment, threading and precision
-    policy, and TensorFlow's BFC allocator on the CPU, which reports the
-    figures; a few seconds each). Models that cannot be rebuilt there (a
-    subclassed model without `get_config`, a custom layer the subprocess
-    cannot import) are measured in this process instead, with a warning. On
-    a GPU, measurements run in this process: it holds the GPU's memory.
-
-    What it covers: one train step, the parameters, the optimizer's slots,
-    the gradients, the input batch and the activations. Not the data set:
-    NumPy arrays passed to `fit` become tensors that TensorFlow's allocator
-    holds while `fit` runs, beside the step. So `MemoryLogger`, which reads
-    the allocator, reads more on the same model (measured on a CPU: each MiB
-    of `x` added 1.3 to 1.5 MiB).
-
-    Peaks are not exactly reproducible even so: on a CPU, the same step's
-    peak in fresh processes spread by up to 31% (a small CNN, default
-    threading; up to 16% with one inter-op thread): independent ops' working
-    memory overlaps or not, and the first (tracing) step leaves more or less
-    allocated, from run to run. Keep `plan()`'s `margin` for that.
+    `profile()` runs real train steps on a copy of the model and records the
+    allocator's peak at each (batch, micro-batch) size; `estimate()` then
+    interpolates between the measured sizes. `plan(..., profile=True)`
+    measures at the micro-batch size it is about to recommend until its
+    recommendation is a measured size. On a CPU each measurement runs in a
+    fresh Python process that rebuilds the model from `model.to_json()`
+    (a model that cannot be rebuilt there is measured in this process, with
+    a warning); on a GPU, in this process. The figures are one train step's,
+    not the data set's, and vary from process to process: keep `plan()`'s
+    `margin`. The user guide's page "Memory logging and planning"
+    (docs/memory.md) says what is counted, how well, and why.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model)
@@ -350,7 +326,7 @@ class MemoryPlanner:
         if not 0 <= margin < 1:
             raise ValueError(f"`margin` must be in [0, 1). Received: margin={margin!r}")
         usable = budget * (1 - margin)
-        self._check_fixed_part_fits(batch_size, budget, usable, margin)
+        self._check_fixed_part_fits(budget, usable, margin)
         if profile:
             self._measure_near_choice(batch_size, usable, verbose)
         micro = self._choose(batch_size, usable)
@@ -402,7 +378,7 @@ class MemoryPlanner:
         count = positive_int("count", count)
         return _remat_plan.compare(self, batch_size, min(micro, batch_size), count, verbose)
 
-    def _check_fixed_part_fits(self, batch_size, budget, usable, margin):
+    def _check_fixed_part_fits(self, budget, usable, margin):
         fixed = _estimate.WeightBytes.of(self.model, self.optimizer).total
         if fixed > usable:
             raise ValueError(
