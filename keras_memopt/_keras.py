@@ -312,6 +312,19 @@ def functional_nodes(model):
     return nodes
 
 
+def sublayers(layer, include_self=True):
+    """`layer` (unless `include_self` is False) and every layer inside it, on both lines."""
+    return layer._flatten_layers(include_self=include_self, recursive=True)
+
+
+def regularised_sublayer(layer):
+    """The first layer in `layer` (itself included) with an activity regulariser, or None."""
+    return next(
+        (s for s in sublayers(layer) if getattr(s, "activity_regularizer", None) is not None),
+        None,
+    )
+
+
 def nested_inputs_outputs(model):
     """A functional model's inputs and outputs in the structure it was built with."""
     if LEGACY:

@@ -90,6 +90,11 @@ def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
     return size * tf.as_dtype(dtype).size
 
 
+def variables_bytes(variables, dtype=None) -> int:
+    """Bytes of `variables` (counted in `dtype` where given)."""
+    return sum(bytes_if_known(v.shape, dtype or v.dtype) for v in variables)
+
+
 def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
     """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
 

@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._memory.sizes import variables_bytes
 from keras_memopt._remat import liveness as _liveness
 
 # A candidate within this share of the lowest peak counts as as low.
@@ -94,9 +95,7 @@ class TracedUnits:
 
         graph, kept = _liveness.trace(call, specs, model.trainable_variables)
         self.step = _liveness.StepGraph(graph, kept, cpu=not tf.config.list_logical_devices("GPU"))
-        self.parameters = sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.weights
-        )
+        self.parameters = variables_bytes(model.weights)
         self.count = len(units)
         self._label(bounds)
 

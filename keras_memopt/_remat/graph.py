@@ -45,11 +45,7 @@ class Graph:
         self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]
 
     def regularised(self, index):
-        layer = self.nodes[index][0]
-        return any(
-            getattr(sublayer, "activity_regularizer", None) is not None
-            for sublayer in layer._flatten_layers(include_self=True, recursive=True)
-        )
+        return _keras.regularised_sublayer(self.nodes[index][0]) is not None
 
     def is_input(self, index):
         return not self.nodes[index][1]

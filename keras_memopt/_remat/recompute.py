@@ -24,6 +24,7 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_memopt import _keras
 from keras_memopt._remat import replay as _replay
 
 try:  # The forward pass of a segment must not be recorded by an outer tape.
@@ -165,13 +166,13 @@ def _gradients(tape, outputs, upstream, inputs, sources, variables):
 
 def check_no_activity_regularizer(layers, where):
     for layer in layers:
-        for sublayer in layer._flatten_layers(include_self=True, recursive=True):
-            if getattr(sublayer, "activity_regularizer", None) is not None:
-                raise ValueError(
-                    f"{where} cannot recompute layer {sublayer.name!r}: the loss "
-                    "its activity regulariser adds would get no gradient through "
-                    "the recomputed segment. Leave that layer out of the "
-                    "segment or move the regularisation into the model's loss. "
-                    f"Received: layer {sublayer.name!r} with "
-                    f"activity_regularizer={sublayer.activity_regularizer!r}"
-                )
+        sublayer = _keras.regularised_sublayer(layer)
+        if sublayer is not None:
+            raise ValueError(
+                f"{where} cannot recompute layer {sublayer.name!r}: the loss "
+                "its activity regulariser adds would get no gradient through "
+                "the recomputed segment. Leave that layer out of the "
+                "segment or move the regularisation into the model's loss. "
+                f"Received: layer {sublayer.name!r} with "
+                f"activity_regularizer={sublayer.activity_regularizer!r}"
+            )

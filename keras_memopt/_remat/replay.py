@@ -19,7 +19,7 @@ from keras_memopt import _keras
 def _random_generators(layer):
     """tf_keras `RandomGenerator`s of `layer` and the layers inside it."""
     generators = []
-    for sublayer in layer._flatten_layers(include_self=True, recursive=True):
+    for sublayer in _keras.sublayers(layer):
         generator = getattr(sublayer, "_random_generator", None)
         if generator is not None and hasattr(generator, "_rng_type"):
             generators.append(generator)

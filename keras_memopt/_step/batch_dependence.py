@@ -27,7 +27,7 @@ from keras_memopt._step import loop as _loop
 
 def _padding_to_the_batch(model) -> list[str]:
     names = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _keras.sublayers(model, include_self=False):
         if type(layer).__name__ != "TextVectorization":
             continue
         config = layer.get_config()

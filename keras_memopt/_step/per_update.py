@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_memopt import _keras
+
 _TFMOT = "tensorflow_model_optimization"
 
 
 def _layers(model):
-    return model._flatten_layers(include_self=False, recursive=True)
+    return _keras.sublayers(model, include_self=False)
 
 
 def counters(model) -> list:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from keras_memopt import _keras, distribute, memory, supervise
-from keras_memopt._memory.sizes import bytes_if_known
+from keras_memopt._memory.sizes import bytes_if_known, variables_bytes
 from keras_memopt._oom import coordinator as _coordinator
 from keras_memopt._oom import errors as _oom_errors
 from keras_memopt._oom import rollback as _rollback
@@ -347,10 +347,11 @@ class StepRunner:
         # measured it (a new window started there); else the attempt's peak.
         peak = guard.loop_peak(device) or memory.step_peak(device)
         optimizer = getattr(model, "optimizer", None)
+        slots = _keras.optimizer_variables(optimizer) if optimizer else []
         gradients = [bytes_if_known(v.shape, "float32") for v in model.trainable_variables]
         return _oom_errors.StepMemory(
-            weights=_bytes(model.variables),
-            optimizer_state=_bytes(_keras.optimizer_variables(optimizer)) if optimizer else 0,
+            weights=variables_bytes(model.variables),
+            optimizer_state=variables_bytes(slots),
             gradient_sum=sum(gradients),
             largest_gradient=max(gradients, default=0),
             update=guard.need(size),
@@ -395,18 +396,9 @@ def _stop(error, refusal, partial):
     )
 
 
-def _bytes(variables) -> int:
-    return sum(bytes_if_known(v.shape, v.dtype) for v in variables)
-
-
 def _step_devices(strategy) -> list[str]:
     """The devices a step of `strategy` runs on (this worker's), as memory readers name them."""
     if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
         return [memory.default_device()]  # Keras places a model without a strategy there
-    devices = []
-    for name in strategy.extended.worker_devices:
-        spec = tf.DeviceSpec.from_string(name)
-        device = f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
-        if device not in devices:
-            devices.append(device)
-    return devices
+    devices = [memory.canonical_device(name) for name in strategy.extended.worker_devices]
+    return list(dict.fromkeys(devices))

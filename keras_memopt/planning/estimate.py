@@ -15,6 +15,7 @@ import dataclasses
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._memory.sizes import variables_bytes
 from keras_memopt._remat import liveness as _liveness
 from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
@@ -94,7 +95,7 @@ class StepActivations:
 
     def __init__(self, model, cpu):
         self.model = model
-        self._gradients = sum(bytes_if_known(v.shape, v.dtype) for v in model.trainable_weights)
+        self._gradients = variables_bytes(model.trainable_weights)
         try:
             self._step = _trace_model(model, cpu)
         except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
@@ -177,14 +178,14 @@ class WeightBytes:
     @classmethod
     def of(cls, model, optimizer) -> WeightBytes:
         trainable = model.trainable_weights
-        grads = sum(bytes_if_known(v.shape, v.dtype) for v in trainable)
+        grads = variables_bytes(trainable)
         # Accumulators are float32 even where the variables are narrower.
         accumulators = sum(
             bytes_if_known(v.shape, "float32" if tf.as_dtype(v.dtype).size < 4 else v.dtype)
             for v in trainable
         )
         return cls(
-            parameters=sum(bytes_if_known(v.shape, v.dtype) for v in model.weights),
+            parameters=variables_bytes(model.weights),
             optimizer_slots=int(optimizer_slot_copies(optimizer) * grads),
             gradient_accumulators=accumulators,
             micro_gradients=grads,

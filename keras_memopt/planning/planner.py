@@ -239,25 +239,31 @@ class MemoryPlanner:
             )
         device = self._profile_device()
         started = time.perf_counter()
-        isolated = self._isolated(device) and self._cannot_isolate is None
-        if isolated:
-            try:
-                peak = _measure.measure_isolated(self.model, self.optimizer, batch, micro, device)
-            except _measure.CannotIsolate as reason:
-                self._fall_back(reason, stacklevel + 1)
-                self._cannot_isolate = reason  # the next sizes go straight here
-                isolated = False
-        if not isolated:
-            peak = _measure.measure_step(self.model, self.optimizer, batch, micro, device)
+        peak, where = self._peak_of(self.model, batch, micro, device, stacklevel + 1)
         self._calibration.record(batch, micro, peak)
         if verbose:
             figure = "out of memory" if peak is None else f"peak {format_bytes(peak)}"
             print_msg(
                 f"measured micro-batch {micro} of a batch of {batch} on {device}: {figure} "
-                f"({time.perf_counter() - started:.1f} s, "
-                f"{'in a fresh process' if isolated else 'in this process'})"
+                f"({time.perf_counter() - started:.1f} s, {where})"
             )
         return peak
+
+    def _peak_of(self, model, batch, micro, device, stacklevel):
+        """(`model`'s step peak at (batch, micro) on `device` or None on OOM, where measured).
+
+        In a fresh process where `isolate` says so and the model can be
+        rebuilt there; else in this one, with a warning (or, for
+        `isolate=True`, an error).
+        """
+        if self._isolated(device) and self._cannot_isolate is None:
+            try:
+                peak = _measure.measure_isolated(model, self.optimizer, batch, micro, device)
+                return peak, "in a fresh process"
+            except _measure.CannotIsolate as reason:
+                self._fall_back(reason, stacklevel + 1)
+                self._cannot_isolate = reason  # the next sizes go straight here
+        return _measure.measure_step(model, self.optimizer, batch, micro, device), "in this process"
 
     def _fall_back(self, reason, stacklevel):
         if self.isolate:

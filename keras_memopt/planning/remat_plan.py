@@ -18,7 +18,6 @@ from keras_memopt import _keras
 from keras_memopt._io import print_msg
 from keras_memopt._remat import segments as _segments
 from keras_memopt.memory import format_bytes
-from keras_memopt.planning import measure as _measure
 
 __all__ = ["RematCandidate", "compare"]
 
@@ -72,7 +71,6 @@ def compare(planner, batch_size, micro_batch_size, count, verbose):
         )
     rows = shortlist(_segments.estimated_candidates(model, micro_batch_size), count)
     device = planner._profile_device()
-    isolated = planner._isolated(device)
     results = []
     for description, names, estimated in rows:
         started = time.perf_counter()
@@ -81,25 +79,10 @@ def compare(planner, batch_size, micro_batch_size, count, verbose):
             copy = AccumulatingModel.from_model(
                 model, micro_batch_size=micro_batch_size, remat=names or None
             )
-        measured, where = _measure_one(copy, planner, batch_size, micro_batch_size, device,
-                                       isolated)
-        isolated = isolated and where == "in a fresh process"
+        measured, where = planner._peak_of(copy, batch_size, micro_batch_size, device, 4)
         results.append(RematCandidate(description, names or None, int(estimated), measured))
         if verbose:
             figure = "out of memory" if measured is None else f"peak {format_bytes(measured)}"
             print_msg(f"{description}: {figure} ({time.perf_counter() - started:.1f} s, {where})")
     return sorted(results, key=lambda r: (r.measured is None, r.measured or 0))
 
-
-def _measure_one(copy, planner, batch, micro, device, isolated):
-    if isolated:
-        try:
-            return _measure.measure_isolated(copy, planner.optimizer, batch, micro, device), (
-                "in a fresh process")
-        except _measure.CannotIsolate as reason:
-            warnings.warn(
-                f"compare_remat measures in this process: {reason}. Its figures can be "
-                "15-25% off a fresh process's where other models trained before.",
-                stacklevel=4,
-            )
-    return _measure.measure_step(copy, planner.optimizer, batch, micro, device), "in this process"
