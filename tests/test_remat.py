@@ -11,6 +11,8 @@ from conftest import LEGACY, peak_bytes_of_fit, run_python
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import keras
+from keras_memopt._remat.segments import estimated_candidates
+from keras_memopt.planning import MemoryPlanner
 from keras_memopt.remat import plan_segments
 
 layers = keras.layers
@@ -371,6 +373,29 @@ class TestSegments:
             with strategy.scope():
                 models.append(_fit(_chain(remat, 8), x, y, epochs=1))
         _assert_same_state(*models)
+
+    def test_auto_estimates_one_replica_under_a_strategy_as_without_one(self, mirrored_strategy):
+        # tf_keras's mirrored variables have no handle outside a replica
+        # context: the step was not traced there, and auto chose blind.
+        def chain():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((16,))
+            x = inputs
+            for _ in range(8):
+                x = layers.Dense(256, activation="relu")(x)
+            return keras.Model(inputs, layers.Dense(3)(x))
+
+        with mirrored_strategy.scope():
+            mirrored = chain()
+            estimated = estimated_candidates(mirrored, 2048)
+            planned = MemoryPlanner(mirrored, optimizer="sgd").estimate(2048, 512).activations
+        plain = chain()
+        def figures(candidates):  # the layers' names differ
+            return [(description, peak) for description, _, peak in candidates]
+
+        assert figures(estimated) == figures(estimated_candidates(plain, 2048))
+        assert planned == MemoryPlanner(plain, optimizer="sgd").estimate(2048, 512).activations
+        assert estimated[0][1], estimated  # the lowest estimate recomputes
 
     def test_mixed_precision_matches_no_recomputation(self):
         keras.mixed_precision.set_global_policy("mixed_float16")

@@ -25,6 +25,7 @@ an op may reuse a dying input's buffer for its output.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import numpy as np
 import tensorflow as tf
@@ -441,7 +442,8 @@ def trace(call, specs, variables):
 
     `call` maps input tensors (shaped like `specs`, the batch axis unknown)
     to a scalar loss; the gradient is taken with respect to `variables`.
-    Nothing runs: the graph is only built.
+    Nothing runs: the graph is only built. Under a distribution strategy it
+    is one replica's step (the first's), as each replica runs it.
     """
     kept = []
 
@@ -457,4 +459,8 @@ def trace(call, specs, variables):
         return gradients
 
     function = tf.function(step, input_signature=specs, autograph=False)
-    return function.get_concrete_function().graph, kept
+    replica = contextlib.nullcontext()
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        replica = tf.distribute.ReplicaContext(tf.distribute.get_strategy(), 0)
+    with replica:
+        return function.get_concrete_function().graph, kept
