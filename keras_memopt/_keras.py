@@ -325,6 +325,27 @@ def regularised_sublayer(layer):
     )
 
 
+def global_random_state() -> list:
+    """Keras 3's global seed generator's state (random ops called without a seed).
+
+    Keras offers no public handle on it, so it is read from Keras's global
+    state, where `keras.utils.set_random_seed` resets it; tf_keras has none.
+    """
+    if LEGACY:
+        return []
+    state = getattr(getattr(keras, "src", None), "backend", None)
+    state = getattr(getattr(state, "common", None), "global_state", None)
+    generator = state.get_global_attribute("global_seed_generator") if state else None
+    return [generator.state] if generator is not None else []
+
+
+def seed_variables(layer):
+    """Keras 3's seed states of `layer` (and the layers inside it): its variables that
+    are not weights."""
+    weights = {id(w) for w in layer.weights}
+    return [v for v in layer.variables if id(v) not in weights]
+
+
 def nested_inputs_outputs(model):
     """A functional model's inputs and outputs in the structure it was built with."""
     if LEGACY:

@@ -17,8 +17,7 @@ from _faults import OutOfMemoryAbove, OutOfMemoryAtSample
 from conftest import LEGACY, last_json, run_python
 
 from keras_memopt import AccumulatingModel
-from keras_memopt._keras import keras
-from keras_memopt._oom import rollback as _rollback
+from keras_memopt._keras import global_random_state, keras
 from keras_memopt.callbacks import OOMBackoff
 from keras_memopt.memory import format_bytes
 
@@ -195,7 +194,7 @@ class TestBackoff:
 
         with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
             _fit(model, xi, y, [FailTheSecondStep(), OOMBackoff(min_micro_batch_size=16)])
-        failed_global = _values(_rollback.global_random_state())
+        failed_global = _values(global_random_state())
         fault.first = None
         reference = _model(fault=OutOfMemoryAtSample(None), **options)
         _fit(reference, xi[:32], y[:32])
@@ -207,7 +206,7 @@ class TestBackoff:
         ]:
             for a, b in zip(_values(get(model)), _values(get(reference)), strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=name)
-        for a, b in zip(failed_global, _values(_rollback.global_random_state()), strict=True):
+        for a, b in zip(failed_global, _values(global_random_state()), strict=True):
             np.testing.assert_array_equal(a, b, err_msg="global seed generator")
 
         for m in (model, reference):
@@ -587,7 +586,7 @@ import gc, json, os, sys
 import numpy as np, psutil, tensorflow as tf
 sys.path.insert(0, {tests!r})
 from _faults import OutOfMemoryAbove
-from keras_memopt._keras import keras
+from keras_memopt._keras import global_random_state, keras
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import OOMBackoff
 
@@ -631,7 +630,7 @@ REAL_LIMIT_MB = 80
 REAL_PRELUDE = """
 import gc, json, time
 import numpy as np, tensorflow as tf
-from keras_memopt._keras import keras
+from keras_memopt._keras import global_random_state, keras
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import OOMBackoff
 
@@ -814,7 +813,7 @@ y = rng.randint(0, 10, 64)
 def state():
     metrics = [v for metric in model.metrics for v in metric.variables]
     variables = (model.variables + list(model.optimizer.variables) + metrics
-                 + _rollback.global_random_state())
+                 + global_random_state())
     return [np.array(tf.convert_to_tensor(v)) for v in variables]
 
 
@@ -937,7 +936,7 @@ STATE_DOES_NOT_FIT = """
 import json
 import numpy as np, tensorflow as tf
 from keras_memopt import AccumulatingModel
-from keras_memopt._keras import keras
+from keras_memopt._keras import global_random_state, keras
 from keras_memopt.callbacks import OOMBackoff
 
 inputs = keras.Input((64,))

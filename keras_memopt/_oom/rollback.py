@@ -38,20 +38,6 @@ def _unique(groups):
     return variables
 
 
-def global_random_state() -> list:
-    """Keras 3's global seed generator's state (random ops called without a seed).
-
-    Keras offers no public handle on it, so it is read from Keras's global
-    state, where `keras.utils.set_random_seed` resets it; tf_keras has none.
-    """
-    if _keras.LEGACY:
-        return []
-    state = getattr(getattr(_keras.keras, "src", None), "backend", None)
-    state = getattr(getattr(state, "common", None), "global_state", None)
-    generator = state.get_global_attribute("global_seed_generator") if state else None
-    return [generator.state] if generator is not None else []
-
-
 def step_counters(model) -> list:
     """tf_keras's own step counters, which its step functions advance."""
     if not _keras.LEGACY:
@@ -81,7 +67,7 @@ def state_variables(model) -> list:
         update_variables(model),
         [v for metric in model.metrics for v in metric.variables],
         step_counters(model),
-        global_random_state(),
+        _keras.global_random_state(),
     ])
 
 

@@ -26,12 +26,6 @@ def _random_generators(layer):
     return generators
 
 
-def _seed_variables(layer):
-    """Keras 3 random seed states of `layer`: its variables that are not weights."""
-    weights = {id(w) for w in layer.weights}
-    return [v for v in layer.variables if id(v) not in weights]
-
-
 def random_state(layer):
     """Tensors that pin down the randomness of the next call of `layer`.
 
@@ -46,7 +40,7 @@ def random_state(layer):
         if not count:
             return []
         return [tf.random.uniform([count], 1, 2**31 - 1, dtype=tf.int32)]
-    return [tf.identity(v.value) for v in _seed_variables(layer)]
+    return [tf.identity(v.value) for v in _keras.seed_variables(layer)]
 
 
 class _StateRestorer:
@@ -76,7 +70,7 @@ class Replay:
         if not _keras.LEGACY:
             self._scope = None
             if self.recompute:
-                mapping = list(zip(_seed_variables(self.layer), self.state, strict=True))
+                mapping = list(zip(_keras.seed_variables(self.layer), self.state, strict=True))
                 self._scope = _keras.keras.StatelessScope(state_mapping=mapping)
                 self._scope.__enter__()
             return self
@@ -121,7 +115,7 @@ class Rerun(Replay):
     def __enter__(self):
         if _keras.LEGACY:
             return super().__enter__()
-        seeds = _seed_variables(self.layer)
+        seeds = _keras.seed_variables(self.layer)
         self._variables = list(self.layer.non_trainable_weights) + seeds
         self._values = [tf.identity(v.value) for v in self._variables]
         for variable, value in zip(seeds, self.state, strict=True):

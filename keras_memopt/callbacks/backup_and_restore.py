@@ -8,7 +8,6 @@ import numpy as np
 
 from keras_memopt import _keras, distribute
 from keras_memopt._keras import keras
-from keras_memopt._oom import rollback as _rollback
 
 __all__ = ["BackupAndRestore"]
 
@@ -18,9 +17,7 @@ _RANDOM_STATE = "random_state.npz"
 def _random_variables(model):
     """Variables that hold random state: Keras 3 seed generators (the model's own,
     which are not among its weights, and the global one)."""
-    weights = {id(w) for w in model.weights}
-    own = [v for v in model.variables if id(v) not in weights]
-    return own + _rollback.global_random_state()
+    return _keras.seed_variables(model) + _keras.global_random_state()
 
 
 class _BackupAndRestore(keras.callbacks.BackupAndRestore):
