@@ -586,7 +586,7 @@ import gc, json, os, sys
 import numpy as np, psutil, tensorflow as tf
 sys.path.insert(0, {tests!r})
 from _faults import OutOfMemoryAbove
-from keras_memopt._keras import global_random_state, keras
+from keras_memopt._keras import keras
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import OOMBackoff
 
@@ -630,7 +630,7 @@ REAL_LIMIT_MB = 80
 REAL_PRELUDE = """
 import gc, json, time
 import numpy as np, tensorflow as tf
-from keras_memopt._keras import global_random_state, keras
+from keras_memopt._keras import keras
 from keras_memopt import AccumulatingModel
 from keras_memopt.callbacks import OOMBackoff
 
@@ -754,8 +754,7 @@ REAL_ROLLBACK = """
 import json, os
 import numpy as np, tensorflow as tf
 from keras_memopt import AccumulatingModel
-from keras_memopt._oom import rollback as _rollback
-from keras_memopt._keras import LEGACY, keras
+from keras_memopt._keras import LEGACY, global_random_state, keras
 from keras_memopt.callbacks import OOMBackoff
 
 MIB = 2**20
@@ -936,7 +935,7 @@ STATE_DOES_NOT_FIT = """
 import json
 import numpy as np, tensorflow as tf
 from keras_memopt import AccumulatingModel
-from keras_memopt._keras import global_random_state, keras
+from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 
 inputs = keras.Input((64,))
