@@ -95,6 +95,13 @@ def _estimated_model(keras, name):
         else:
             x = layers.Bidirectional(layers.LSTM(32, return_sequences=True))(x)
         return keras.Model(inputs, layers.Dense(5)(x)), 64
+    if name == "bilstm_weight_gradients":
+        # Each direction's gradient loop makes a (160, 512) weight gradient per
+        # time step, up to 32 steps ahead of its sum while the other runs.
+        inputs = keras.Input((32,), dtype="int32")
+        x = layers.Embedding(200, 32, mask_zero=True)(inputs)
+        x = layers.Bidirectional(layers.LSTM(128, return_sequences=True))(x)
+        return keras.Model(inputs, layers.Dense(5)(x)), 16
     if name == "transformer":
         inputs = keras.Input((32,), dtype="int32")
         x = layers.Embedding(200, 64)(inputs)
@@ -114,8 +121,8 @@ def _estimated_model(keras, name):
     return keras.Model(inputs, layers.Dense(5)(x)), 256
 
 
-def _measured_peak(keras, model, batch):
-    """Plain Keras's allocator peak over two train steps, less what was in use before."""
+def _measured_peaks(keras, model, batch):
+    """Plain Keras's lowest and highest allocator peak of four train steps after four."""
     import tensorflow as tf
 
     rng = np.random.RandomState(0)
@@ -126,18 +133,22 @@ def _measured_peak(keras, model, batch):
         x = rng.rand(batch, *spec.shape[1:]).astype("float32")
     y = rng.randint(0, 5, (batch, *model.outputs[0].shape[1:-1]))
     model.compile(keras.optimizers.Adam(), keras.losses.SparseCategoricalCrossentropy(True))
-    model.train_on_batch(x, y)
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    for _ in range(2):
+    for _ in range(4):  # loops run ahead of their sums from the third or fourth step on
         model.train_on_batch(x, y)
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peaks = []
+    for _ in range(4):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.train_on_batch(x, y)
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    return min(peaks), max(peaks)
 
 
 class TestEstimateAgainstKeras:
     @pytest.mark.parametrize(
-        "name", ["gru_masked", "bilstm_masked", "transformer", "cnn_bn", "mlp"]
+        "name",
+        ["gru_masked", "bilstm_masked", "bilstm_weight_gradients", "transformer", "cnn_bn", "mlp"],
     )
-    def test_shapes_only_peak_is_within_30_percent_of_plain_keras(self, keras_module, name):
+    def test_shapes_only_peak_is_within_30_percent_of_plain_keras_steps(self, keras_module, name):
         import gc
 
         import tensorflow as tf
@@ -146,10 +157,14 @@ class TestEstimateAgainstKeras:
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         model, batch = _estimated_model(keras_module, name)
         estimate = MemoryPlanner(model, optimizer="adam").estimate(batch).peak
-        measured = _measured_peak(keras_module, model, batch) - before
-        # Before the estimate read the traced step, a masked GRU tagger's
-        # estimate was a third of what it measured.
-        assert 1 / 1.3 <= estimate / measured <= 1.3, (estimate, measured)
+        lowest, highest = (peak - before for peak in _measured_peaks(keras_module, model, batch))
+        # A step's peak moves from step to step with the executor's op order
+        # (with another process on the cores, a lone loop's weight-gradient
+        # sum can fall behind too). Before the estimate read the traced step,
+        # a masked GRU tagger's estimate was a third of what it measured;
+        # before it counted loops side by side, the wide bidirectional
+        # tagger's was half its lowest step.
+        assert lowest / 1.3 <= estimate <= highest * 1.3, (estimate, lowest, highest)
 
 
 class TestPlan:

@@ -177,7 +177,7 @@ class TracedUnits:
 
     def _lifetimes(self, position, again, forward_segment, recomputed, gradient_segment):
         step, start = self.step, self.backward_start
-        firsts, lasts, sizes = [], [], []
+        firsts, lasts, sizes, floored = [], [], [], []
         for buffer, users in enumerate(step.users):
             producer = step.producer[buffer]
             size = step.sizes[buffer]
@@ -199,12 +199,14 @@ class TracedUnits:
             firsts.append(position[producer])
             lasts.append(max(ends))
             sizes.append(size)
+            floored.append(buffer in step.floored)
             if copy_ends and again[producer] >= 0:
                 firsts.append(again[producer])
                 lasts.append(max(again[producer], *copy_ends))
                 sizes.append(size)
+                floored.append(buffer in step.floored)
         sizes = np.array(sizes, dtype=np.float64).reshape(-1, 2)
-        return _liveness.Profile(np.array(firsts), np.array(lasts), sizes, self.length)
+        return _liveness.Profile(firsts, lasts, sizes, self.length, np.array(floored, dtype=bool))
 
     def recomputed_bytes(self, cuts):
         """Per-sample bytes the recomputation makes again (its cost in time)."""

@@ -15,6 +15,10 @@ thread), adding each op's outputs and dropping each tensor after its last
 use. What the backward pass keeps follows from the graph itself: a recurrent
 layer's per-step gates and states (the loop's accumulators, sized from its
 body), attention's score matrices, normalisation statistics, dropout masks.
+Where gradient loops run side by side (a bidirectional layer's two
+directions), each runs up to its `parallel_iterations` time steps ahead of
+its weight-gradient sum (`keras_memopt._remat.loops.Pile`), measured so in
+TensorFlow's executor from the third or fourth step of a run on.
 
 It is an estimate: TensorFlow's executor may run independent ops in another
 order (and, with several inter-op threads, side by side), kernels allocate
@@ -29,6 +33,9 @@ import contextlib
 
 import numpy as np
 import tensorflow as tf
+
+from keras_memopt._remat import loops as _loops
+from keras_memopt._remat.loops import list_bytes, tensor_bytes
 
 # Ops whose output is a view of their first input's buffer.
 _VIEWS = frozenset({
@@ -57,26 +64,6 @@ _IN_PLACE = frozenset({
     "Rsqrt", "RsqrtGrad", "Exp", "Log", "Log1p", "Expm1", "Abs", "Sign", "Reciprocal", "Erf",
     "Erfc", "Floor", "Ceil", "Round", "Cos", "Sin", "Select", "SelectV2", "AddN",
 })
-_LOOPS = frozenset({"While", "StatelessWhile"})
-_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-
-
-def tensor_bytes(shape, dtype):
-    """(bytes per sample, fixed bytes) of a tensor whose unknown dimension, if
-    any, is the batch's; None for two unknown dimensions or an unknown rank."""
-    dtype = tf.as_dtype(dtype)
-    if dtype in (tf.resource, tf.variant):
-        return 0, 0
-    if shape.rank is None:
-        return None
-    dims = shape.as_list()
-    unknown = sum(d is None for d in dims)
-    known = int(np.prod([d for d in dims if d is not None], dtype=np.int64)) * dtype.size
-    if unknown > 1:
-        return None
-    return (known, 0) if unknown else (0, known)
-
-
 def _known(shape):
     return int(np.prod([d for d in shape.as_list() if d is not None], dtype=np.int64))
 
@@ -136,86 +123,6 @@ class _Elements:
             return None
         contracted = b.shape[1] if op.get_attr("transpose_b") else b.shape[0]
         return self.of(a) / contracted if contracted else None
-
-
-def _static(tensor, depth=0):
-    """The value of a small integer tensor computed from constants, or None."""
-    value = tf.get_static_value(tensor)
-    if value is not None or depth > 6:
-        return value
-    op = tensor.op
-    inputs = [_static(t, depth + 1) for t in op.inputs]
-    if any(v is None for v in inputs):
-        return None
-    if op.type in ("Max", "Min"):
-        axes = tuple(np.atleast_1d(inputs[1]).tolist())
-        return (np.max if op.type == "Max" else np.min)(inputs[0], axis=axes)
-    if op.type == "Range":
-        return np.arange(*inputs)
-    if op.type in ("Identity", "Cast"):
-        return inputs[0]
-    return None
-
-
-def _function_graph(op, attribute):
-    return op.graph._get_function(op.get_attr(attribute).name).graph
-
-
-def _iterations(loop):
-    """How many times a `While` op runs its body: its bound, or the length of
-    the sequence it unstacks (a recurrent layer's time steps)."""
-    bound = _static(loop.inputs[1])
-    if bound is not None and not np.ndim(bound) and int(bound) >= 0:
-        return int(bound)
-    lengths = [
-        t.op.inputs[0].shape[0]
-        for t in loop.inputs
-        if t.op.type == "TensorListFromTensor" and t.op.inputs[0].shape.rank
-    ]
-    lengths = [n for n in lengths if n]
-    return max(lengths) if lengths else None
-
-
-def _source(tensor):
-    while tensor.op.type == "Identity":
-        tensor = tensor.op.inputs[0]
-    return tensor
-
-
-def list_bytes(tensor, depth=0):
-    """(per sample, fixed) bytes of a `TensorList` (a variant tensor), or an
-    input index `("input", i)` where it is its op's i-th input passed on.
-
-    A loop's accumulator holds one item per iteration (what the loop's
-    gradient reads back: a recurrent layer's gates and states per time step);
-    a function call's output is looked up in the function's body.
-    """
-    op = tensor.op
-    if depth > 8:
-        return None
-    if op.type in _LOOPS:
-        produced = _source(_function_graph(op, "body").outputs[tensor.value_index]).op
-        if produced.type not in ("TensorListPushBack", "TensorListSetItem"):
-            return ("input", tensor.value_index)
-        item = produced.inputs[1 if produced.type == "TensorListPushBack" else 2]
-        if _source(item).op.type == "ReadVariableOp":
-            return 0, 0  # a variable's value: its own buffer, once
-        size, count = tensor_bytes(item.shape, item.dtype), _iterations(op)
-        if size is None or count is None:
-            return None
-        return size[0] * count, size[1] * count
-    if op.type in _CALLS:
-        body = _function_graph(op, "f")
-        inner = body.outputs[tensor.value_index]
-        found = list_bytes(inner, depth + 1)
-        if found is None and inner.op.type == "Placeholder" and inner in body.inputs:
-            return ("input", body.inputs.index(inner))
-        return (0, 0) if isinstance(found, tuple) and found[0] == "input" else found
-    if op.type == "Identity":
-        return list_bytes(op.inputs[0], depth + 1)
-    if op.type == "TensorListFromTensor":
-        return tensor_bytes(op.inputs[0].shape, op.inputs[0].dtype)
-    return 0, 0
 
 
 # TensorFlow's CPU convolution gradient kernels (without oneDNN) work on
@@ -311,6 +218,7 @@ class StepGraph:
             if buffer is not None:
                 self.kept.add(buffer)
         self._forward_in_place()
+        self.floored = self._add_piles()
 
     def _forward_in_place(self):
         """Lets element-wise ops write into an input used for the last time."""
@@ -344,13 +252,54 @@ class StepGraph:
         for ref, buffer in self.buffer_of.items():
             self.buffer_of[ref] = find(buffer)
 
+    def _add_piles(self):
+        """Adds the `Pile`s of gradient loops that run side by side (a
+        bidirectional layer's two directions: with one loop alone the sum
+        keeps up), alive while either loop runs, each less the share of its
+        accumulator lists it pops meanwhile (a loop called in a function
+        frees none: the caller holds them); returns their buffers, counted
+        as at least nothing."""
+        piles = {i: _loops.pile(op) for i, op in enumerate(self.ops)
+                 if op.type in _loops.LOOPS | _loops.CALLS}
+        piles = {i: found for i, found in piles.items() if found is not None}
+        before = {i: self._ancestors(i) for i in piles}
+        rows = []
+        for i, found in piles.items():
+            beside = [j for j in piles if j != i and j not in before[i] and i not in before[j]]
+            if not beside:
+                continue
+            drained = np.zeros(2)  # a call's caller holds its inputs until it returns
+            for tensor in self.ops[i].inputs if self.ops[i].type in _loops.LOOPS else ():
+                buffer = self.buffer_of.get(tensor.ref())
+                if tensor.dtype == tf.variant and buffer is not None and buffer not in self.kept:
+                    drained += self.sizes[buffer]
+            share = found.in_flight / found.iterations
+            rows.append((-share * drained[0], found.in_flight * found.bytes - share * drained[1]))
+            self.producer.append(min(i, *beside))
+            self.users.append([i, *beside])
+        floored = set(range(len(self.sizes), len(self.sizes) + len(rows)))
+        self.sizes = np.vstack([self.sizes, np.reshape(rows, (-1, 2))])
+        return floored
+
+    def _ancestors(self, index):
+        """The indices of the ops that op `index` waits for."""
+        position = {op: i for i, op in enumerate(self.ops)}
+        found, stack = set(), [self.ops[index]]
+        while stack:
+            op = stack.pop()
+            for source in [t.op for t in op.inputs] + list(op.control_inputs):
+                if position[source] not in found:
+                    found.add(position[source])
+                    stack.append(source)
+        return found
+
     def _alias(self, op, tensor):
         """The buffer `tensor` shares with an input, or None for a new one."""
         if tensor.dtype not in (tf.resource, tf.variant):
             self._elements.count(op, tensor)
         if op.type in _VIEWS and op.inputs:
             return self.buffer_of.get(op.inputs[0].ref())
-        if tensor.dtype == tf.variant and op.type in _LOOPS:
+        if tensor.dtype == tf.variant and op.type in _loops.LOOPS:
             found = list_bytes(tensor)
             if isinstance(found, tuple) and found and found[0] == "input":
                 return self.buffer_of.get(op.inputs[found[1]].ref())
@@ -413,7 +362,8 @@ class StepGraph:
         last = np.array([max((position[u] for u in users), default=first[b])
                          for b, users in enumerate(self.users)], dtype=np.int64)
         last[list(self.kept)] = len(self.ops)
-        return Profile(first, last, self.sizes, len(self.ops) + 1).peak(batch)
+        floored = np.isin(np.arange(len(self.sizes)), list(self.floored))
+        return Profile(first, last, self.sizes, len(self.ops) + 1, floored).peak(batch)
 
 
 class Profile:
@@ -421,20 +371,28 @@ class Profile:
 
     A buffer is alive from its `first` step to its `last` step, both
     included; `peak(batch)` is the largest sum over a step, each buffer
-    counted as `per_sample * batch + fixed` bytes.
+    counted as `per_sample * batch + fixed` bytes, a `floored` one (a mask)
+    as at least nothing.
     """
 
-    def __init__(self, first, last, sizes, length):
+    def __init__(self, first, last, sizes, length, floored=None):
+        first, last = np.asarray(first, dtype=np.int64), np.asarray(last, dtype=np.int64)
+        floored = np.zeros(len(sizes), dtype=bool) if floored is None else floored
+        plain = sizes * ~floored[:, None]
         per_sample, fixed = np.zeros(length + 1), np.zeros(length + 1)
-        np.add.at(per_sample, first, sizes[:, 0])
-        np.add.at(per_sample, np.asarray(last) + 1, -sizes[:, 0])
-        np.add.at(fixed, first, sizes[:, 1])
-        np.add.at(fixed, np.asarray(last) + 1, -sizes[:, 1])
+        np.add.at(per_sample, first, plain[:, 0])
+        np.add.at(per_sample, last + 1, -plain[:, 0])
+        np.add.at(fixed, first, plain[:, 1])
+        np.add.at(fixed, last + 1, -plain[:, 1])
         self.per_sample = np.cumsum(per_sample)[:length]
         self.fixed = np.cumsum(fixed)[:length]
+        self._floored = list(zip(first[floored], last[floored], sizes[floored], strict=True))
 
     def peak(self, batch):
-        return float(np.max(self.per_sample * batch + self.fixed, initial=0.0))
+        alive = self.per_sample * batch + self.fixed
+        for first, last, (per_sample, fixed) in self._floored:
+            alive[first:last + 1] += max(per_sample * batch + fixed, 0.0)
+        return float(np.max(alive, initial=0.0))
 
 
 def trace(call, specs, variables):
