@@ -2,7 +2,7 @@
 
 Two models with BatchNormalization and Dropout (an MLP and a CNN) train three
 steps at a whole batch as one micro-batch, with `OOMBackoff`, under a grid of
-five real CPU allocator limits (`TF_CPU_BFC_MEM_LIMIT_IN_MB`) from below what the
+three real CPU allocator limits (`TF_CPU_BFC_MEM_LIMIT_IN_MB`) from below what the
 smallest micro-batch needs to just under what the whole batch needs. Each run
 is supervised (`keras-memopt run`, with `keras_memopt.callbacks.
 BackupAndRestore`), since under some limits TensorFlow itself crashes. Every
@@ -43,7 +43,7 @@ pytestmark = [
 ]
 
 # Both models' peaks are mostly activations, so the smallest micro-batch
-# needs far less than the batch. Small enough that the twenty children of the
+# needs far less than the batch. Small enough that the children of the
 # test spend more time waiting on the allocator than computing.
 BATCHES = {"mlp": 2048, "cnn": 512}
 MINIMUM, STEPS = 32, 3
@@ -176,7 +176,7 @@ def _run_all(commands, timeout=900):
 
 
 def _limits(peaks, batch):
-    """Five whole MiB limits: one below the smallest micro-batch's peak, four up to the batch's.
+    """Three whole MiB limits: one below the smallest micro-batch's peak, two up to the batch's.
 
     The lowest lies halfway between what the process needs before the first
     step (below that no micro-batch size can help: an MLP's model, optimizer
@@ -185,7 +185,7 @@ def _limits(peaks, batch):
     """
     build, low, high = (peaks[key] / 2**20 for key in ("build", str(MINIMUM), str(batch)))
     lowest = math.ceil((build + low) / 2)
-    grid = np.linspace(max(math.ceil(low), lowest + 1), 0.97 * high, 4)
+    grid = np.linspace(max(math.ceil(low), lowest + 1), 0.97 * high, 2)
     return [lowest] + [int(limit) for limit in grid]
 
 
