@@ -262,7 +262,8 @@ class StepGraph:
         piles = {i: _loops.pile(op) for i, op in enumerate(self.ops)
                  if op.type in _loops.LOOPS | _loops.CALLS}
         piles = {i: found for i, found in piles.items() if found is not None}
-        before = {i: self._ancestors(i) for i in piles}
+        position = {op: i for i, op in enumerate(self.ops)}
+        before = {i: self._ancestors(i, position) for i in piles}
         rows = []
         for i, found in piles.items():
             beside = [j for j in piles if j != i and j not in before[i] and i not in before[j]]
@@ -281,9 +282,8 @@ class StepGraph:
         self.sizes = np.vstack([self.sizes, np.reshape(rows, (-1, 2))])
         return floored
 
-    def _ancestors(self, index):
-        """The indices of the ops that op `index` waits for."""
-        position = {op: i for i, op in enumerate(self.ops)}
+    def _ancestors(self, index, position):
+        """The indices (`position`: op to index) of the ops that op `index` waits for."""
         found, stack = set(), [self.ops[index]]
         while stack:
             op = stack.pop()

@@ -146,7 +146,9 @@ def pile(op, depth=0):
         return None
     count = iterations(op)
     body = function_graph(op, "body")
-    carried = {_source(t).op for t in body.outputs}
+    # The loop-carried sums: what the body returns, but the lists it appends
+    # to (their items are counted in `list_bytes`).
+    carried = {_source(t).op for t in body.outputs if t.dtype != tf.variant}
     made = 0
     for inner in body.get_operations():
         if inner.type in _NOT_MADE or inner in carried:
