@@ -20,7 +20,7 @@ directions), each runs up to its `parallel_iterations` time steps ahead of
 its weight-gradient sum (`keras_memopt._remat.loops.Pile`), measured so in
 TensorFlow's executor from the third or fourth step of a run on: all of them
 on idle cores, about half with one inter-op thread or busy cores; the
-estimate counts three quarters.
+estimate counts seven tenths.
 
 It is an estimate: TensorFlow's executor may run independent ops in another
 order (and, with several inter-op threads, side by side), kernels allocate
