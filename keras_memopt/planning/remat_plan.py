@@ -16,6 +16,7 @@ import warnings
 
 from keras_memopt import _keras
 from keras_memopt._io import print_msg
+from keras_memopt._remat import choice as _choice
 from keras_memopt._remat import segments as _segments
 from keras_memopt.memory import format_bytes
 
@@ -46,10 +47,11 @@ class RematCandidate:
 
 def shortlist(candidates, count):
     """The candidates worth measuring: the lowest estimate, no recomputation, a
-    segment at every cut point, and others within `_CLOSE` of the lowest."""
+    segment per block and at every cut point, and others within `_CLOSE` of the lowest."""
     lowest = candidates[0][2]
     chosen = [candidates[0]]
-    chosen += [c for c in candidates if not c[1] or c[0] == "a segment at every cut point"]
+    obvious = (_choice.PER_BLOCK, "a segment at every cut point")
+    chosen += [c for c in candidates if not c[1] or c[0] in obvious]
     chosen += [c for c in candidates if c[2] <= lowest * (1 + _CLOSE)]
     unique = []
     for candidate in chosen:
