@@ -618,6 +618,9 @@ class TestAutoAgainstTheObviousChoices:
         units = [("Embedding",), *block * 3, ("GlobalAveragePooling1D",), ("Dense",)]
         assert blocks(units) == (4, 8, 12)
         assert blocks([("Dense",)] * 3) == (0, 1)  # the last unit is the head
+        conv = [("Conv2D",), ("BatchNormalization",), ("Activation",)]
+        stages = [*conv * 2, ("MaxPooling2D",), *conv * 2, ("GlobalAveragePooling2D",), ("Dense",)]
+        assert blocks(stages) == (2, 5, 9, 12)
         assert blocks([("Conv2D",), ("Dense",), ("Dense",)]) == ()
         assert blocks([("Dense",)]) == ()
 

@@ -253,21 +253,28 @@ def _differentiated(name, forward):
 
 
 def blocks(signatures):
-    """The cuts after each block: the longest run of two or more repeats of
-    the same units (their layers' classes) in `signatures` but the last (the
-    head), the shortest block of the longest runs; () where nothing repeats."""
+    """The cuts after each block in `signatures` (the units' layers' classes;
+    the last unit is the head): a block is what repeats in the longest run of
+    two or more repeats (the shortest such), cut after wherever it occurs
+    (also past a pooling layer between stages); () where nothing repeats."""
     body = signatures[:-1]
-    best, covered = (), 0
+    block, covered = None, 0
     for length in range(1, len(body) // 2 + 1):
         for start in range(len(body) - 2 * length + 1):
-            block = body[start:start + length]
+            candidate = body[start:start + length]
             repeats = 1
-            while body[start + repeats * length:start + (repeats + 1) * length] == block:
+            while body[start + repeats * length:start + (repeats + 1) * length] == candidate:
                 repeats += 1
             if repeats >= 2 and repeats * length > covered:
-                covered = repeats * length
-                best = tuple(start + (i + 1) * length - 1 for i in range(repeats))
-    return best
+                block, covered = candidate, repeats * length
+    cuts, index = [], 0
+    while block and index + len(block) <= len(body):
+        if body[index:index + len(block)] == block:
+            cuts.append(index + len(block) - 1)
+            index += len(block)
+        else:
+            index += 1
+    return tuple(cuts)
 
 
 def candidates(count, signatures=None):
