@@ -29,11 +29,11 @@ chosen candidate is the segment per block where its estimated peak is
 within 20% of the lowest (what the estimate cannot see, the executor's
 overlap of independent ops and the allocator's rounding, moved candidates
 by more: a CNN's 2 segments, estimated 15% below a segment per block,
-peaked 28% above it on tf_keras with one inter-op thread); otherwise, of the candidates within 2% of the
-lowest, the one that recomputes the fewest bytes, then the one with the
-most segments (the smallest working set at any time); and no recomputation
-unless it saves 5% or more of the step's peak with the parameters
-(recomputation costs time).
+peaked 28% above it on tf_keras with one inter-op thread); otherwise, of
+the candidates within 2% of the lowest, the one that recomputes the fewest
+bytes, then the one with the most segments (the smallest working set at
+any time); and no recomputation unless it saves 5% or more of the step's
+peak with the parameters (recomputation costs time).
 """
 
 from __future__ import annotations
