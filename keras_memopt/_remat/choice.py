@@ -261,6 +261,8 @@ def blocks(signatures):
     block, covered = None, 0
     for length in range(1, len(body) // 2 + 1):
         for start in range(len(body) - 2 * length + 1):
+            if len(body) - start <= covered:
+                break  # no longer run can start here
             candidate = body[start:start + length]
             repeats = 1
             while body[start + repeats * length:start + (repeats + 1) * length] == candidate:
