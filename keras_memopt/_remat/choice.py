@@ -279,9 +279,9 @@ def blocks(signatures):
     return tuple(cuts)
 
 
-def candidates(count, signatures=None):
-    """Cut sets a user would try over `count` units (the last is the head);
-    with the units' `signatures`, a segment per block among them."""
+def candidates(count, signatures):
+    """Cut sets a user would try over `count` units (the last is the head),
+    a segment per block of the units' `signatures` among them."""
     found = {(): "none"}
     separators = count - 1
     for k in range(1, separators + 1):
@@ -290,7 +290,7 @@ def candidates(count, signatures=None):
         name = "a segment at every cut point" if k == 1 else f"a segment every {k} cut points"
         found.setdefault(from_end, name)
         found.setdefault(from_start, name + " from the first")
-    per_block = blocks(signatures or [])
+    per_block = blocks(signatures)
     if per_block:
         found[per_block] = PER_BLOCK
     return found
@@ -312,9 +312,9 @@ def choose(traced, batch):
     lowest = min(peaks.values())
     near = [cuts for cuts, peak in peaks.items() if peak <= lowest * (1 + _TIE)]
     best = min(near, key=lambda cuts: (traced.recomputed_bytes(cuts), -len(cuts)))
-    per_block = [cuts for cuts, name in names.items() if name == PER_BLOCK]
-    if per_block and peaks[per_block[0]] <= lowest * (1 + _BLOCK_TIE):
-        best = per_block[0]
+    per_block = blocks(traced.signatures)
+    if per_block and peaks[per_block] <= lowest * (1 + _BLOCK_TIE):
+        best = per_block
     none = peaks[()]
     if best and none - peaks[best] < _WORTH * (none + traced.parameters):
         best = ()
