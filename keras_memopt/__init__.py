@@ -6,7 +6,8 @@ registers `AccumulatingModel` and `Remat` with Keras, so that
 the module of a saved class only for its own packages; any other class must
 be registered before loading, so these imports cannot wait until first use.)
 
-The one exception is the `keras-memopt` command, which needs TensorFlow only
+The one exception is the `keras-memopt` command (or `python -m
+keras_memopt.cli`), which needs TensorFlow only
 once its arguments are parsed: run as that command, this package loads its
 public names on first use (PEP 562), so `keras-memopt --help` and argument
 errors return at once, and the command imports what it uses itself (`plan`
@@ -22,10 +23,25 @@ __all__ = ["AccumulatingModel", "Remat", "MemoryPlanner", "MemoryReader", "confi
 
 
 def _launched_as_command():
-    """Whether this process is the `keras-memopt` console script."""
+    """Whether this process is the `keras-memopt` command: the console script,
+    or `python -m keras_memopt.cli` (`sys.argv[0]` is "-m" while this package
+    is imported)."""
     program = _os.path.basename(_sys.argv[0]) if _sys.argv and _sys.argv[0] else ""
+    if program == "-m":
+        return _module_run() == "keras_memopt.cli"
     # pip's launchers: `keras-memopt`, `keras-memopt.exe`, `keras-memopt-script.py`.
     return program.removesuffix(".exe").removesuffix("-script.py") == "keras-memopt"
+
+
+def _module_run():
+    """The module of `python -m MODULE` (the interpreter's first -m option)."""
+    arguments = getattr(_sys, "orig_argv", [])
+    for index, argument in enumerate(arguments[1:], start=1):
+        if argument == "-m":
+            return arguments[index + 1] if index + 1 < len(arguments) else ""
+        if argument.startswith("-m"):
+            return argument[2:]
+    return ""
 
 
 if _launched_as_command():

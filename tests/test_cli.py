@@ -181,14 +181,16 @@ def test_plan_measures_by_default_and_says_so(saved_model, capsys):
 class TestCommand:
     """The installed command: fast until its arguments are parsed."""
 
-    def test_help_returns_at_once_without_tensorflow(self, launcher):
+    @pytest.mark.parametrize("module", [False, True], ids=["script", "python-m"])
+    def test_help_returns_at_once_without_tensorflow(self, launcher, module):
+        command = ["-m", "keras_memopt.cli"] if module else [launcher]
         started = time.perf_counter()
-        output = _subprocess.run(["-X", "importtime", launcher, "--help"], timeout=120)
+        output = _subprocess.run(["-X", "importtime", *command, "--help"], timeout=120)
         seconds = time.perf_counter() - started
         assert output.returncode == 0, output.tail()
         assert "usage: keras-memopt" in output.stdout
         imported = {line.split("|")[-1].strip() for line in output.stderr.splitlines()}
-        assert "keras_memopt.cli" in imported
+        assert "keras_memopt" in imported  # the package, lazily
         assert not {"tensorflow", "keras", "numpy"} & imported
         assert seconds < 2.0  # importing TensorFlow alone takes 3-4 s here
 
@@ -240,4 +242,19 @@ def test_only_the_command_loads_lazily(monkeypatch, program, command):
 
     monkeypatch.setattr(sys, "argv", [program])
     # (A Windows path is not split on this POSIX host: its basename is itself.)
+    assert keras_memopt._launched_as_command() is command
+
+
+@pytest.mark.parametrize(
+    "arguments, command",
+    [(["python", "-m", "keras_memopt.cli", "run"], True),
+     (["python", "-X", "importtime", "-mkeras_memopt.cli"], True),
+     (["python", "-m", "pytest", "--", "-m", "keras_memopt.cli"], False),
+     (["python", "-m", "keras_memopt.demo"], False), (["python", "-m"], False)],
+)
+def test_python_m_of_the_command_loads_lazily(monkeypatch, arguments, command):
+    import keras_memopt
+
+    monkeypatch.setattr(sys, "argv", ["-m"])  # as Python sets it while finding the module
+    monkeypatch.setattr(sys, "orig_argv", arguments)
     assert keras_memopt._launched_as_command() is command
