@@ -7,11 +7,11 @@ the module of a saved class only for its own packages; any other class must
 be registered before loading, so these imports cannot wait until first use.)
 
 The one exception is the `keras-memopt` command (or `python -m
-keras_memopt.cli`), which needs TensorFlow only
-once its arguments are parsed: run as that command, this package loads its
-public names on first use (PEP 562), so `keras-memopt --help` and argument
-errors return at once, and the command imports what it uses itself (`plan`
-imports `keras_memopt.models` before loading a model).
+keras_memopt.cli`), which needs TensorFlow only once its arguments are parsed:
+run as that command, this package loads its public names on first use (PEP
+562), so `keras-memopt --help` and argument errors return at once, and the
+command imports what it uses itself (`plan` imports `keras_memopt.models`
+before loading a model).
 """
 
 import os as _os
