@@ -456,6 +456,20 @@ class TestCompareRemat:
             assert row.remat is None or set(row.remat) <= names
             AccumulatingModel.from_model(model, remat=row.remat)
 
+    def test_the_shortlist_keeps_no_recomputation_whatever_its_estimate(self):
+        from keras_memopt.planning.remat_plan import shortlist
+
+        # (description, cut names, estimated peak), lowest first, as
+        # `estimated_candidates` gives them: "none" estimated highest.
+        rows = [("a segment every 2 cut points", ["b"], 50),
+                ("a segment per block", ["a", "b"], 55),
+                ("a segment at every cut point", ["a", "b", "c"], 56),
+                ("none", [], 58)]
+        assert [row[0] for row in shortlist(rows, 2)] == ["a segment every 2 cut points", "none"]
+        assert [row[0] for row in shortlist(rows, 3)] == [
+            "a segment every 2 cut points", "none", "a segment per block"]
+        assert len(shortlist(rows, 9)) == 4
+
     def test_a_model_with_nothing_to_cut_is_refused(self, keras_module):
         class Net(keras_module.Model):
             def __init__(self):

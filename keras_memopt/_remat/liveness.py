@@ -22,16 +22,23 @@ TensorFlow's executor from the third or fourth step of a run on: all of them
 on idle cores, about half with one inter-op thread or busy cores; the
 estimate counts seven tenths.
 
+On a CPU, a convolution gradient kernel's patch buffer counts while it runs
+and, with several inter-op threads, a filter gradient's until the next
+convolution's gradients start (it runs on beside them).
+
 It is an estimate: TensorFlow's executor may run independent ops in another
 order (and, with several inter-op threads, side by side), kernels allocate
-working memory that no tensor shape shows (a CPU convolution's patches), and
-an op may reuse a dying input's buffer for its output.
+working memory that no tensor shape shows, an op may reuse a dying input's
+buffer for its output, and the BFC allocator hands a request a whole free
+chunk of up to twice its size (a CPU filter gradient's 26 MiB patch buffer
+took 32 MiB).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -133,6 +140,11 @@ class _Elements:
 _CPU_WORKING_SET = 30 * 2**20
 
 
+def _inter_op_threads():
+    """How many ops TensorFlow's executor runs at once (0 configured: one per core)."""
+    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
+
+
 def _cpu_scratch(op):
     """Bytes a CPU convolution gradient kernel allocates for itself while it runs."""
     if op.type == "Conv2DBackpropFilter":
@@ -165,7 +177,9 @@ class StepGraph:
         kept: tensors alive to the end of the step (the gradients it returns).
         cpu: bool, whether to count the working memory of TensorFlow's CPU
             convolution gradient kernels (a fixed patch buffer of up to 30 MiB
-            each, while it or its sibling gradient runs). Defaults to True.
+            each, while it or its sibling gradient runs; with several inter-op
+            threads, a filter gradient's until the next convolution's
+            gradients start). Defaults to True.
 
     Attributes:
         ops: the graph's ops in the order they were made.
@@ -208,6 +222,8 @@ class StepGraph:
             for buffer, _ in pair:
                 self.producer[buffer] = min(op for _, op in pair)
                 self.users[buffer] = [op for _, op in pair]
+        if _inter_op_threads() > 1:
+            self._overlap_filter_gradients(scratch_users)
         for i, op in enumerate(self.ops):
             if op.type in _SHAPE_READERS:
                 continue
@@ -221,6 +237,21 @@ class StepGraph:
                 self.kept.add(buffer)
         self._forward_in_place()
         self.floored = self._add_piles()
+
+    def _overlap_filter_gradients(self, scratch_users):
+        """With several inter-op threads, a filter gradient runs on beside the
+        next convolution's gradients (no op of the backward pass waits for
+        it): its patch buffer stays alive until the next pair of convolution
+        gradients starts, as the allocator shows it (docs/benchmarks.md)."""
+        starts = sorted(min(op for _, op in pair) for pair in scratch_users.values())
+        for pair in scratch_users.values():
+            last = max(op for _, op in pair)
+            following = [start for start in starts if start > last]
+            if not following:
+                continue
+            for buffer, op in pair:
+                if self.ops[op].type == "Conv2DBackpropFilter":
+                    self.users[buffer].append(following[0])
 
     def _forward_in_place(self):
         """Lets element-wise ops write into an input used for the last time."""

@@ -46,12 +46,14 @@ class RematCandidate:
 
 
 def shortlist(candidates, count):
-    """The candidates worth measuring: the lowest estimate, no recomputation, a
-    segment per block and at every cut point, and others within `_CLOSE` of the lowest."""
+    """The candidates worth measuring, in this order: the lowest estimate, no
+    recomputation, a segment per block and at every cut point, and others
+    within `_CLOSE` of the lowest; the first `count` (at least two)."""
     lowest = candidates[0][2]
     chosen = [candidates[0]]
+    chosen += [c for c in candidates if not c[1]]
     obvious = (_choice.PER_BLOCK, "a segment at every cut point")
-    chosen += [c for c in candidates if not c[1] or c[0] in obvious]
+    chosen += [c for c in candidates if c[0] in obvious]
     chosen += [c for c in candidates if c[2] <= lowest * (1 + _CLOSE)]
     unique = []
     for candidate in chosen:
