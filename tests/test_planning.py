@@ -109,13 +109,18 @@ def _estimated_model(keras, name):
         hidden = layers.Dense(64)(layers.Dense(256, activation="gelu")(x))
         x = layers.LayerNormalization()(x + layers.Dropout(0.1)(hidden))
         return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling1D()(x))), 64
-    if name == "cnn_bn":
+    if name in ("cnn_bn", "cnn_filter_gradients"):
+        # The second: four blocks at a small batch, where the convolutions'
+        # filter-gradient patch buffers (fixed, up to 30 MiB each) outweigh
+        # the activations, and with several inter-op threads two are alive.
+        widths = (16, 16) if name == "cnn_bn" else (32, 32, 64, 64)
         inputs = keras.Input((32, 32, 3))
         x = inputs
-        for _ in range(2):
-            x = layers.Conv2D(16, 3, padding="same", use_bias=False)(x)
+        for width in widths:
+            x = layers.Conv2D(width, 3, padding="same", use_bias=False)(x)
             x = layers.Activation("relu")(layers.BatchNormalization()(x))
-        return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling2D()(x))), 32
+        outputs = layers.Dense(5)(layers.GlobalAveragePooling2D()(x))
+        return keras.Model(inputs, outputs), 32 if name == "cnn_bn" else 16
     inputs = keras.Input((256,))
     x = layers.Dense(512, activation="relu")(layers.Dense(512, activation="relu")(inputs))
     return keras.Model(inputs, layers.Dense(5)(x)), 256
@@ -146,7 +151,8 @@ def _measured_peaks(keras, model, batch):
 class TestEstimateAgainstKeras:
     @pytest.mark.parametrize(
         "name",
-        ["gru_masked", "bilstm_masked", "bilstm_weight_gradients", "transformer", "cnn_bn", "mlp"],
+        ["gru_masked", "bilstm_masked", "bilstm_weight_gradients", "transformer", "cnn_bn",
+         "cnn_filter_gradients", "mlp"],
     )
     def test_shapes_only_peak_is_within_30_percent_of_plain_keras_steps(self, keras_module, name):
         import gc
@@ -167,6 +173,11 @@ class TestEstimateAgainstKeras:
         # depends on the cores (idle: 28 MiB steps; busy or one inter-op
         # thread: 19 on tf_keras), so its estimate counts between the two.
         assert lowest / 1.3 <= estimate <= highest * 1.3, (estimate, lowest, highest)
+        if name == "cnn_filter_gradients":
+            # With several inter-op threads its highest steps hold two filter
+            # gradients' patch buffers at once: counting one, the estimate
+            # read 54.3 MiB against 77 here (0.70 of the highest).
+            assert estimate >= highest / 1.3, (estimate, highest)
 
 
 class TestPlan:
