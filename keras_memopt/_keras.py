@@ -313,8 +313,23 @@ def functional_nodes(model):
 
 
 def sublayers(layer, include_self=True):
-    """`layer` (unless `include_self` is False) and every layer inside it, on both lines."""
+    """`layer` (unless `include_self` is False) and every layer inside it, on both lines.
+
+    A functional model's node may be an operation rather than a layer (Keras 3
+    records `keras.ops` calls, such as the `NotEqual` of an Embedding's
+    `mask_zero`): it holds no layers.
+    """
+    if not hasattr(layer, "_flatten_layers"):
+        return [layer] if include_self else []
     return layer._flatten_layers(include_self=include_self, recursive=True)
+
+
+def added_losses(layer) -> int:
+    """How many loss terms calls have added to `layer` itself with `add_loss`
+    (weight regularisers not counted: they are computed from the weights)."""
+    if LEGACY:
+        return len(getattr(layer, "_eager_losses", ())) + len(getattr(layer, "_losses", ()))
+    return len(getattr(layer, "_losses", ()))
 
 
 def regularised_sublayer(layer):

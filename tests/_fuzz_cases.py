@@ -89,6 +89,7 @@ class Spec:
     whole_batch_loss: bool
     steps_per_execution: int
     jit_compile: bool
+    remat: bool = False  # a recomputed segment after every layer that separates the graph
 
     def describe(self):
         parts = [
@@ -99,7 +100,8 @@ class Spec:
             parts.append(f"mask_zero={self.mask_zero}")
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
-        flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile")
+        flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
+                 "remat")
         for flag in flags:
             if getattr(self, flag):
                 parts.append(flag)
@@ -168,7 +170,7 @@ def draw(seed: int) -> Spec:
         split = (("accumulation_steps", r.randint(2, 4)),)
     name, options, schedule = _draw_optimizer(r)
     sample_weight = r.choice(sample_weights)
-    return Spec(
+    spec = Spec(
         seed=seed,
         family=family,
         build=build,
@@ -191,6 +193,11 @@ def draw(seed: int) -> Spec:
         steps_per_execution=r.choice([1, 1, 1, 2, 3]),
         jit_compile=family in JIT_FAMILIES and r.random() < 0.1,
     )
+    # Drawn last, so that the cases drawn before it stay as they were. A
+    # subclassed model has no graph to cut; a layer with an activity
+    # regulariser is refused in a recomputed segment (its own tests).
+    remat = build != "subclassed" and not spec.regularize and r.random() < 0.3
+    return dataclasses.replace(spec, remat=remat)
 
 
 # -- the model -----------------------------------------------------------------------
@@ -376,8 +383,29 @@ def build_model(spec, accumulating: bool, sample_x):
         kwargs = split if cls is AccumulatingModel else {}
         plain = cls(inputs, _apply(spec, parts, inputs), **kwargs)
         if cls is AccumulatingModel:
-            return plain
-    return AccumulatingModel.from_model(plain, **split) if accumulating else plain
+            return _recomputing(plain, spec)
+    if not accumulating:
+        return plain
+    return _recomputing(AccumulatingModel.from_model(plain, **split), spec)
+
+
+def _recomputing(model, spec):
+    """`model` with a recomputed segment after every layer that separates its graph
+    (the package's own reading of the graph: which cuts exist is not the oracle's
+    business, what training with them computes is)."""
+    if spec.remat:
+        from keras_memopt._remat.graph import Graph
+
+        graph = Graph(model)
+        layers_in_order = [node[0] for node in graph.nodes]
+        # A layer that adds a loss in `call` is refused in a recomputed
+        # segment (its own tests): every segment ends before it.
+        penalty = next((i for i, layer in enumerate(layers_in_order)
+                        if isinstance(layer, (MeanPenalty, SumPenalty))), len(graph.nodes))
+        cuts = [layers_in_order[i].name for i in graph.separators() if i < penalty]
+        if cuts:
+            model.remat = cuts
+    return model
 
 
 # -- the data ------------------------------------------------------------------------

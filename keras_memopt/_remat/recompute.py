@@ -33,6 +33,9 @@ except ImportError:  # pragma: no cover - a TensorFlow without it
     _stop_recording = contextlib.nullcontext
 
 
+_COMPOSITE = (tf.SparseTensor, tf.RaggedTensor)
+
+
 def _differentiable(tensor):
     return tensor.dtype.is_floating or tensor.dtype.is_complex
 
@@ -93,7 +96,11 @@ def on_device(call, args, device):
 def _custom_backward(call, layer, args, kwargs, device, recomputed):
     structure = (args, kwargs)
     leaves = tf.nest.flatten(structure)
-    positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+    # Sparse and ragged tensors (a model's sparse or ragged input) are bound
+    # like other values: `tf.custom_gradient` takes dense tensors only, and
+    # nothing differentiates with respect to them.
+    positions = [i for i, leaf in enumerate(leaves)
+                 if tf.is_tensor(leaf) and not isinstance(leaf, _COMPOSITE)]
     if not positions:
         with on(device):
             return call(*args, **kwargs)
@@ -112,7 +119,8 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
             state = _replay.random_state(layer)
             with on(device), _stop_recording(), _replay.Replay(layer, state, recompute=False):
                 call_args, call_kwargs = bind(inputs)
-                outputs = call(*call_args, **call_kwargs)
+                with _no_added_losses(layer):
+                    outputs = call(*call_args, **call_kwargs)
         else:
             with on(device), tf.GradientTape() as forward_tape:
                 forward_tape.watch([t for t in inputs if _differentiable(t)])
@@ -162,6 +170,26 @@ def _gradients(tape, outputs, upstream, inputs, sources, variables):
     if variables:
         return input_gradients, gradients[len(sources) :]
     return input_gradients
+
+
+@contextlib.contextmanager
+def _no_added_losses(layer):
+    """Raises if the call inside adds a loss term to `layer` or a layer in it:
+    recomputed, the term would get no gradient (the forward pass that made it
+    is not recorded), and training would go on silently wrong."""
+    layers = _keras.sublayers(layer)
+    before = [_keras.added_losses(s) for s in layers]
+    yield
+    grown = [s.name for s, count in zip(layers, before, strict=True)
+             if _keras.added_losses(s) > count]
+    if grown:
+        raise ValueError(
+            f"Cannot recompute {grown[0]!r}: a loss it adds in `call` with "
+            "`add_loss` would get no gradient through the recomputed segment. "
+            "Leave that layer out of the recomputed segments (end a segment "
+            "before it, or do not wrap it in `Remat`), or add the term to the "
+            f"model's loss instead. Received: layers that added losses {grown!r}"
+        )
 
 
 def check_no_activity_regularizer(layers, where):

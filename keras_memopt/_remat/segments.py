@@ -10,6 +10,7 @@ backward pass (`keras_memopt._remat.recompute`) and/or placed on a device
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -148,20 +149,35 @@ class SegmentPlan:
         self.placed = any(self.devices)
 
     def __call__(self, inputs, training):
-        x = inputs
+        """The model's outputs, each with the Keras mask its last layer gives it.
+
+        A segment takes the mask of the tensor it starts from (an Embedding's
+        `mask_zero`) and passes its own output's on: a recomputed segment's
+        outputs are new tensors, which carry none of their own.
+        """
+        x, mask = inputs, None
         for segment, recomputed, device in zip(
             self.segments, self.recomputed, self.devices, strict=True
         ):
-            def call(t, segment=segment):
-                return segment(t, training=training)
+            masks = []  # the output masks of the forward pass (the first call)
 
+            def call(t, mask=None, segment=segment, masks=masks):
+                outputs = segment(t, training=training, mask=mask)
+                masks.append(tf.nest.map_structure(_keras.get_mask, outputs))
+                return outputs
+
+            kwargs = {} if mask is None else {"mask": mask}
             if training and recomputed:
-                x = recompute(call, segment, (x,), device=device)
+                x = recompute(call, segment, (x,), kwargs, device=device)
             elif training and device:
-                x = on_device(call, (x,), device)
+                x = on_device(functools.partial(call, **kwargs), (x,), device)
             else:
                 with on(device):
-                    x = call(x)
+                    x = call(x, **kwargs)
+            for tensor, tensor_mask in zip(tf.nest.flatten(x), tf.nest.flatten(masks[0])):
+                if tensor_mask is not None:
+                    _keras.set_mask(tensor, tensor_mask)
+            mask = masks[0] if len(tf.nest.flatten(x)) == 1 else None
         return x
 
 
