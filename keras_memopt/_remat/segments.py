@@ -174,7 +174,8 @@ class SegmentPlan:
             else:
                 with on(device):
                     x = call(x, **kwargs)
-            for tensor, tensor_mask in zip(tf.nest.flatten(x), tf.nest.flatten(masks[0])):
+            flat_masks = tf.nest.flatten(masks[0])
+            for tensor, tensor_mask in zip(tf.nest.flatten(x), flat_masks, strict=True):
                 if tensor_mask is not None:
                     _keras.set_mask(tensor, tensor_mask)
             mask = masks[0] if len(tf.nest.flatten(x)) == 1 else None
