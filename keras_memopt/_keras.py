@@ -324,12 +324,12 @@ def sublayers(layer, include_self=True):
     return layer._flatten_layers(include_self=include_self, recursive=True)
 
 
-def added_losses(layer) -> int:
-    """How many loss terms calls have added to `layer` itself with `add_loss`
-    (weight regularisers not counted: they are computed from the weights)."""
+def added_losses(layer) -> list:
+    """The loss terms calls have added to `layer` itself with `add_loss` (not
+    weight regularisers: those are computed from the weights)."""
     if LEGACY:
-        return len(getattr(layer, "_eager_losses", ())) + len(getattr(layer, "_losses", ()))
-    return len(getattr(layer, "_losses", ()))
+        return [*getattr(layer, "_eager_losses", ()), *getattr(layer, "_losses", ())]
+    return list(getattr(layer, "_losses", ()))
 
 
 def regularised_sublayer(layer):

@@ -109,6 +109,24 @@ FOUND = {
         build="subclassed", outputs="dict",
         heads=(TWO[0], Head("sparse", None, True, False, ignore_class=0)),
     ),
+    # Recomputed segments (`remat=` a cut after every layer that separates the graph):
+    # a segment dropped the Keras mask of the tensor it started from and gave its
+    # outputs none, so a masked tagger trained on its padding (1.8 from plain Keras);
+    # Keras 3's `NotEqual` node of `mask_zero` raised an AttributeError in the plan.
+    "recomputed-segments-after-a-masked-embedding": case(
+        family="tagger", mask_zero=True, recurrent="SimpleRNN", sample_weight="token",
+        remat=True,
+    ),
+    # A sparse input into a recomputed segment: a ValueError from `tf.custom_gradient`.
+    "recomputed-segment-from-a-sparse-input": case(
+        family="sparse", outputs="list", heads=TWO, loss_weights=True, remat=True,
+    ),
+    # A layer's `add_loss` in a recomputed segment got no gradient (trained silently
+    # wrong: 0.31 from plain Keras). It is refused now (test_remat's bad input);
+    # segments that end before it train as plain Keras.
+    "recomputed-segments-before-an-add-loss-layer": case(
+        family="attention", outputs="dict", heads=TWO, add_loss="mean", remat=True,
+    ),
 }
 
 

@@ -699,6 +699,31 @@ class TestBadInput:
         assert model.recomputed_segments == []
 
 
+    @pytest.mark.parametrize("form", ["cut", "Remat"])
+    def test_a_layer_that_adds_a_loss_in_a_segment_is_refused(self, form):
+        # Recomputed, the term got no gradient: training went on silently wrong.
+        class Penalty(layers.Layer):
+            def call(self, x):
+                self.add_loss(1e-2 * tf.reduce_mean(tf.square(x)))
+                return x
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        penalty = Penalty(name="penalty")
+        x = layers.Dense(4, name="first")(inputs)
+        x = (Remat(penalty) if form == "Remat" else penalty)(x)
+        x = layers.Dense(4, name="cut")(x)
+        remat = ["cut"] if form == "cut" else None
+        model = AccumulatingModel(inputs, layers.Dense(2)(x), micro_batch_size=4, remat=remat)
+        model.compile("adam", "mse")
+        before = [w.copy() for w in model.get_weights()]
+        with pytest.raises(ValueError, match="Cannot recompute 'penalty'.*add_loss.*Received"):
+            model.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
+        for old, new in zip(before, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(old, new)
+        assert int(model.optimizer.iterations.numpy()) == 0
+
+
 def _ancestors(op):
     """Every op that `op` waits for, through data and control inputs."""
     found, stack = set(), [op]

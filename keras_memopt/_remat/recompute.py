@@ -177,11 +177,14 @@ def _no_added_losses(layer):
     """Raises if the call inside adds a loss term to `layer` or a layer in it:
     recomputed, the term would get no gradient (the forward pass that made it
     is not recorded), and training would go on silently wrong."""
-    layers = _keras.sublayers(layer)
-    before = [_keras.added_losses(s) for s in layers]
+    layers = list(_keras.sublayers(layer))  # a generator on tf_keras
+    # Terms, not counts: tf_keras clears a layer's terms when a call starts.
+    # The list keeps the terms alive, so that no new term takes an old one's id.
+    terms = [term for s in layers for term in _keras.added_losses(s)]
+    before = {id(term) for term in terms}
     yield
-    grown = [s.name for s, count in zip(layers, before, strict=True)
-             if _keras.added_losses(s) > count]
+    grown = [s.name for s in layers
+             if any(id(term) not in before for term in _keras.added_losses(s))]
     if grown:
         raise ValueError(
             f"Cannot recompute {grown[0]!r}: a loss it adds in `call` with "
