@@ -137,6 +137,20 @@ def set_mask(tensor, mask):
     return tensor
 
 
+def masks_of(outputs):
+    """The Keras masks of a call's outputs (None where a tensor has none)."""
+    return tf.nest.map_structure(get_mask, outputs)
+
+
+def with_masks(outputs, masks):
+    """`outputs` (new tensors: a custom gradient's) with the masks `masks_of`
+    read from the call that made them."""
+    for tensor, mask in zip(tf.nest.flatten(outputs), tf.nest.flatten(masks), strict=True):
+        if mask is not None:
+            set_mask(tensor, mask)
+    return outputs
+
+
 def logits_of(tensor):
     """What Keras's cross-entropies read in place of a softmax or sigmoid output, or None.
 

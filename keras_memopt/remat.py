@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 
+import tensorflow as tf
+
 from keras_memopt import _keras, placement
 from keras_memopt._remat import segments as _segments
 from keras_memopt._remat.recompute import check_no_activity_regularizer, recompute
@@ -28,9 +30,9 @@ __all__ = ["Remat", "plan_segments"]
 keras = _keras.keras
 
 
-def _takes_training(layer):
+def _takes(layer, argument):
     try:
-        return "training" in inspect.signature(layer.call).parameters
+        return argument in inspect.signature(layer.call).parameters
     except (TypeError, ValueError):  # pragma: no cover - an uninspectable call
         return False
 
@@ -53,11 +55,14 @@ class Remat(keras.layers.Wrapper):
     pass, not twice), so gradients equal those of the unwrapped layer. It works
     in graph-mode `fit()`, with `run_eagerly=True`, under XLA, under
     `tf.distribute` strategies and with mixed precision; keyword arguments such
-    as `training` or `mask` are passed through.
+    as `training` or `mask` are passed through, and the Keras mask of the
+    input (an `Embedding(mask_zero=True)`'s) reaches the wrapped layer, whose
+    output masks the wrapper's outputs carry.
 
     Limits: losses that the wrapped layer adds in `call` (activity
-    regularisers, `add_loss`) see no gradient through the wrapper, so wrapping
-    such a layer is refused. On tf_keras (`TF_USE_LEGACY_KERAS=1`), random
+    regularisers, `add_loss`) would get no gradient through the wrapper, so
+    wrapping such a layer is refused (an `add_loss` when the first training
+    step is traced). On tf_keras (`TF_USE_LEGACY_KERAS=1`), random
     layers inside the wrapper draw a fresh seed per call and use stateless
     random ops, so two calls of one random layer within a single wrapped call
     share a mask.
@@ -98,21 +103,48 @@ class Remat(keras.layers.Wrapper):
             )
         check_no_activity_regularizer([layer], "Remat")
         super().__init__(layer, **kwargs)
-        self._layer_takes_training = _takes_training(layer)
+        self._layer_takes_training = _takes(layer, "training")
+        self._layer_takes_mask = _takes(layer, "mask")
+        # A Keras mask reaches the wrapped layer; `call` passes its output masks on.
+        self.supports_masking = True
 
     def build(self, input_shape=None):
         # The wrapped layer builds itself on its first call, with the real
         # arguments (a block may take several inputs).
         self.built = True
 
-    def call(self, *args, training=None, **kwargs):
+    def call(self, *args, training=None, mask=None, **kwargs):
         if self._layer_takes_training and training is not None:
             kwargs["training"] = training
+        if isinstance(mask, tuple) and len(mask) == len(args) == 1:
+            mask = mask[0]  # Keras 3 reads one per positional argument
+        if not any(m is not None for m in tf.nest.flatten(mask)):
+            mask = None
+        single = mask is not None and tf.is_tensor(mask) and args and tf.is_tensor(args[0])
+        if mask is not None and not single and self._layer_takes_mask:
+            kwargs["mask"] = mask  # masks of several inputs: given as they came
         if not self.layer.built:
             # The first call creates the layer's variables; it happens while
             # Keras builds the model, where there is nothing to differentiate.
             return self.layer(*args, **kwargs)
-        return recompute(self.layer, self.layer, args, kwargs)
+        masks = []
+
+        def forward(*call_args, **call_kwargs):
+            if single:
+                # The tensor the layer gets is the custom gradient's own: the
+                # mask goes on it, so that the layer reads it, or passes it on.
+                _keras.set_mask(call_args[0], mask)
+            outputs = self.layer(*call_args, **call_kwargs)
+            masks.append(_keras.masks_of(outputs))
+            return outputs
+
+        return _keras.with_masks(recompute(forward, self.layer, args, kwargs), masks[0])
+
+    def compute_mask(self, inputs, mask=None):
+        # `call` attaches the wrapped layer's output masks; where it attached
+        # none there are none (on tf_keras, asking a wrapped model would run
+        # its forward pass once more).
+        return None
 
 
 def validate_remat(remat):

@@ -158,8 +158,11 @@ def draw(seed: int) -> Spec:
     builds = ["functional", "subclassed", "from_model"] + (["sequential"] if linear else [])
     build = r.choice(builds)
     heads = tuple(_draw_head(r, family) for _ in range(1 if outputs == "one" else 2))
-    # Keras weighs a per-token loss by per-token weights, not per-sample ones.
-    sample_weights = [None, None, "token" if family == "tagger" else "sample"]
+    # Keras weighs a per-token loss by per-token weights, not per-sample ones; with
+    # several outputs, one array of weights must be per sample, which no per-token
+    # loss takes (each output's own weights come below).
+    single = {"tagger": "token" if outputs == "one" else None}.get(family, "sample")
+    sample_weights = [None, None, single]
     if outputs != "one":
         sample_weights += ["output_dict" if outputs == "dict" else "output_list"] * 2
     sparse_single = outputs == "one" and heads[0].kind == "sparse" and family != "tagger"

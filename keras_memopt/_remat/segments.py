@@ -163,7 +163,7 @@ class SegmentPlan:
 
             def call(t, mask=None, segment=segment, masks=masks):
                 outputs = segment(t, training=training, mask=mask)
-                masks.append(tf.nest.map_structure(_keras.get_mask, outputs))
+                masks.append(_keras.masks_of(outputs))
                 return outputs
 
             kwargs = {} if mask is None else {"mask": mask}
@@ -174,10 +174,7 @@ class SegmentPlan:
             else:
                 with on(device):
                     x = call(x, **kwargs)
-            flat_masks = tf.nest.flatten(masks[0])
-            for tensor, tensor_mask in zip(tf.nest.flatten(x), flat_masks, strict=True):
-                if tensor_mask is not None:
-                    _keras.set_mask(tensor, tensor_mask)
+            x = _keras.with_masks(x, masks[0])
             mask = masks[0] if len(tf.nest.flatten(x)) == 1 else None
         return x
 
