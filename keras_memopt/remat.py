@@ -120,9 +120,9 @@ class Remat(keras.layers.Wrapper):
             mask = mask[0]  # Keras 3 reads one per positional argument
         if not any(m is not None for m in tf.nest.flatten(mask)):
             mask = None
+        if mask is not None and self._layer_takes_mask:
+            kwargs["mask"] = mask
         single = mask is not None and tf.is_tensor(mask) and args and tf.is_tensor(args[0])
-        if mask is not None and not single and self._layer_takes_mask:
-            kwargs["mask"] = mask  # masks of several inputs: given as they came
         if not self.layer.built:
             # The first call creates the layer's variables; it happens while
             # Keras builds the model, where there is nothing to differentiate.
@@ -132,7 +132,7 @@ class Remat(keras.layers.Wrapper):
         def forward(*call_args, **call_kwargs):
             if single:
                 # The tensor the layer gets is the custom gradient's own: the
-                # mask goes on it, so that the layer reads it, or passes it on.
+                # mask goes on it too, for a layer that passes it on (a Dense).
                 _keras.set_mask(call_args[0], mask)
             outputs = self.layer(*call_args, **call_kwargs)
             masks.append(_keras.masks_of(outputs))
