@@ -2,7 +2,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import last_json, run_python
 
 from keras_memopt import AccumulatingModel, _subprocess
 from keras_memopt.planning import MemoryPlanner
@@ -109,18 +109,13 @@ def _estimated_model(keras, name):
         hidden = layers.Dense(64)(layers.Dense(256, activation="gelu")(x))
         x = layers.LayerNormalization()(x + layers.Dropout(0.1)(hidden))
         return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling1D()(x))), 64
-    if name in ("cnn_bn", "cnn_filter_gradients"):
-        # The second: four blocks at a small batch, where the convolutions'
-        # filter-gradient patch buffers (fixed, up to 30 MiB each) outweigh
-        # the activations, and with several inter-op threads two are alive.
-        widths = (16, 16) if name == "cnn_bn" else (32, 32, 64, 64)
+    if name == "cnn_bn":
         inputs = keras.Input((32, 32, 3))
         x = inputs
-        for width in widths:
-            x = layers.Conv2D(width, 3, padding="same", use_bias=False)(x)
+        for _ in range(2):
+            x = layers.Conv2D(16, 3, padding="same", use_bias=False)(x)
             x = layers.Activation("relu")(layers.BatchNormalization()(x))
-        outputs = layers.Dense(5)(layers.GlobalAveragePooling2D()(x))
-        return keras.Model(inputs, outputs), 32 if name == "cnn_bn" else 16
+        return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling2D()(x))), 32
     inputs = keras.Input((256,))
     x = layers.Dense(512, activation="relu")(layers.Dense(512, activation="relu")(inputs))
     return keras.Model(inputs, layers.Dense(5)(x)), 256
@@ -151,8 +146,7 @@ def _measured_peaks(keras, model, batch):
 class TestEstimateAgainstKeras:
     @pytest.mark.parametrize(
         "name",
-        ["gru_masked", "bilstm_masked", "bilstm_weight_gradients", "transformer", "cnn_bn",
-         "cnn_filter_gradients", "mlp"],
+        ["gru_masked", "bilstm_masked", "bilstm_weight_gradients", "transformer", "cnn_bn", "mlp"],
     )
     def test_shapes_only_peak_is_within_30_percent_of_plain_keras_steps(self, keras_module, name):
         import gc
@@ -173,11 +167,29 @@ class TestEstimateAgainstKeras:
         # depends on the cores (idle: 28 MiB steps; busy or one inter-op
         # thread: 19 on tf_keras), so its estimate counts between the two.
         assert lowest / 1.3 <= estimate <= highest * 1.3, (estimate, lowest, highest)
-        if name == "cnn_filter_gradients":
-            # With several inter-op threads its highest steps hold two filter
-            # gradients' patch buffers at once: counting one, the estimate
-            # read 54.3 MiB against 77 here (0.70 of the highest).
-            assert estimate >= highest / 1.3, (estimate, highest)
+
+    @pytest.mark.slow
+    def test_counts_two_filter_gradients_at_once_with_several_inter_op_threads(self):
+        # The benchmark's CNN (4 blocks of Conv2D, BatchNormalization, ReLU)
+        # at 16, where the filter gradients' patch buffers (up to 30 MiB
+        # each) outweigh the activations: with TensorFlow's default threading
+        # two are alive at once. Counting one, the estimate read 54.3 MiB
+        # against 77.0 (0.71). In a fresh process, as the benchmark measures
+        # (76.9 to 77.0 MiB here, idle or beside three busy processes; the
+        # tests' shared process, its allocator used by other tests before,
+        # peaked at 90 in one CI run).
+        output = run_python(
+            """
+            import json, sys
+            sys.path.insert(0, "benchmarks")
+            import estimate_accuracy
+            print(json.dumps(estimate_accuracy.worker(
+                {"family": "cnn", "batch": 16, "inter_op_threads": 0})))
+            """
+        )
+        result = last_json(output)
+        measured, estimate = result["measured"], result["estimate"]
+        assert measured / 1.3 <= estimate <= measured * 1.3, (estimate, measured)
 
 
 class TestPlan:
