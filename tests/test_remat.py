@@ -268,8 +268,7 @@ class TestRemat:
             dense, gru = layers.Dense(6, activation="tanh"), layers.GRU(5, return_sequences=True)
             x = (Remat(dense) if wrap else dense)(x)
             x = (Remat(gru) if wrap else gru)(x)
-            model = AccumulatingModel(inputs, layers.Dense(3)(x), micro_batch_size=4)
-            return model
+            return AccumulatingModel(inputs, layers.Dense(3)(x), micro_batch_size=4)
 
         rng = np.random.RandomState(0)
         x, y = rng.randint(1, 30, (8, 10)), rng.randint(0, 3, (8, 10))
