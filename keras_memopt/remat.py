@@ -118,27 +118,15 @@ class Remat(keras.layers.Wrapper):
             kwargs["training"] = training
         if isinstance(mask, tuple) and len(mask) == len(args) == 1:
             mask = mask[0]  # Keras 3 reads one per positional argument
-        if not any(m is not None for m in tf.nest.flatten(mask)):
-            mask = None
-        if mask is not None and self._layer_takes_mask:
+        if self._layer_takes_mask and any(m is not None for m in tf.nest.flatten(mask)):
             kwargs["mask"] = mask
-        single = mask is not None and tf.is_tensor(mask) and args and tf.is_tensor(args[0])
         if not self.layer.built:
             # The first call creates the layer's variables; it happens while
             # Keras builds the model, where there is nothing to differentiate.
             return self.layer(*args, **kwargs)
-        masks = []
-
-        def forward(*call_args, **call_kwargs):
-            if single:
-                # The tensor the layer gets is the custom gradient's own: the
-                # mask goes on it too, for a layer that passes it on (a Dense).
-                _keras.set_mask(call_args[0], mask)
-            outputs = self.layer(*call_args, **call_kwargs)
-            masks.append(_keras.masks_of(outputs))
-            return outputs
-
-        return _keras.with_masks(recompute(forward, self.layer, args, kwargs), masks[0])
+        # The inputs' Keras masks reach a layer that passes them on (a
+        # Dense), and the outputs carry the layer's: `recompute` sees to both.
+        return recompute(self.layer, self.layer, args, kwargs)
 
     def compute_mask(self, inputs, mask=None):
         # `call` attaches the wrapped layer's output masks; where it attached

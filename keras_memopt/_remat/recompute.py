@@ -75,7 +75,8 @@ def recompute(call, layer, args, kwargs=None, device=None):
 
     Only the tensors in `args` and `kwargs` are kept for the backward pass;
     other values (`training=True`, masks given as Python values) are bound
-    before the gradient is defined. `layer` is the layer (or model) that
+    before the gradient is defined; the Keras masks of the tensors reach the
+    call, and its outputs carry the masks it gave them. `layer` is the layer (or model) that
     `call` runs: its random seeds are replayed and its state updates discarded
     during the recomputation. With `device`, the call, its recomputation and
     its backward pass run there.
@@ -105,10 +106,14 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
         with on(device):
             return call(*args, **kwargs)
 
+    # The Keras masks of the inputs (an `Embedding(mask_zero=True)`'s) go on
+    # the tensors the call gets, which may be new ones (the recomputation's).
+    masks = [_keras.get_mask(leaves[i]) for i in positions]
+
     def bind(tensors):
         bound = list(leaves)
-        for position, tensor in zip(positions, tensors, strict=True):
-            bound[position] = tensor
+        for position, tensor, mask in zip(positions, tensors, masks, strict=True):
+            bound[position] = tensor if mask is None else _keras.set_mask(tensor, mask)
         return tf.nest.pack_sequence_as(structure, bound)
 
     output_structure = []
@@ -149,7 +154,11 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
         return flat_outputs, gradient
 
     flat = checkpointed(*[leaves[i] for i in positions])
-    return tf.nest.pack_sequence_as(output_structure[-1], tf.nest.flatten(flat))
+    # The custom gradient's outputs are new tensors: they carry the masks the
+    # call gave its own.
+    outputs = output_structure[-1]
+    result = tf.nest.pack_sequence_as(outputs, tf.nest.flatten(flat))
+    return _keras.with_masks(result, _keras.masks_of(outputs))
 
 
 def _gradients(tape, outputs, upstream, inputs, sources, variables):

@@ -151,31 +151,22 @@ class SegmentPlan:
     def __call__(self, inputs, training):
         """The model's outputs, each with the Keras mask its last layer gives it.
 
-        A segment takes the mask of the tensor it starts from (an Embedding's
-        `mask_zero`) and passes its own output's on: a recomputed segment's
-        outputs are new tensors, which carry none of their own.
+        A segment reads the mask of the tensor it starts from (an
+        Embedding's `mask_zero`) as a layer does; `recompute` and
+        `on_device` put each segment's output masks on their new tensors.
         """
-        x, mask = inputs, None
+        x = inputs
         for segment, recomputed, device in zip(
             self.segments, self.recomputed, self.devices, strict=True
         ):
-            masks = []  # the output masks of the forward pass (the first call)
-
-            def call(t, mask=None, segment=segment, masks=masks):
-                outputs = segment(t, training=training, mask=mask)
-                masks.append(_keras.masks_of(outputs))
-                return outputs
-
-            kwargs = {} if mask is None else {"mask": mask}
+            call = functools.partial(segment, training=training)
             if training and recomputed:
-                x = recompute(call, segment, (x,), kwargs, device=device)
+                x = recompute(call, segment, (x,), device=device)
             elif training and device:
-                x = on_device(functools.partial(call, **kwargs), (x,), device)
+                x = on_device(call, (x,), device)
             else:
                 with on(device):
-                    x = call(x, **kwargs)
-            x = _keras.with_masks(x, masks[0])
-            mask = masks[0] if len(tf.nest.flatten(x)) == 1 else None
+                    x = call(x)
         return x
 
 
