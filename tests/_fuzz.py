@@ -11,8 +11,9 @@ weights as dict and list, `class_weight`, `loss_weights`, `ignore_class`,
 label smoothing, masks, `add_loss`, kernel and activity regularisers), an
 optimizer of `keras.optimizers` with clipping, a schedule or EMA, a batch and a
 micro-batch size with uneven last ones, `steps_per_execution`, sometimes
-`jit_compile`, and sometimes recomputed segments (`remat=` a cut after every
-layer that separates the graph).
+`jit_compile`, and sometimes recomputation (`remat=` a cut after every layer
+that separates the graph, or in a subclassed model `Remat` around every layer of
+its trunk).
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import AccumulatingModel
+from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import LEGACY, keras
 
 layers = keras.layers
@@ -89,7 +89,9 @@ class Spec:
     whole_batch_loss: bool
     steps_per_execution: int
     jit_compile: bool
-    remat: bool = False  # a recomputed segment after every layer that separates the graph
+    # Recomputation: a segment after every layer that separates the graph, or
+    # in a subclassed model a `keras_memopt.Remat` around every trunk layer.
+    remat: bool = False
 
     def describe(self):
         parts = [
@@ -197,9 +199,9 @@ def draw(seed: int) -> Spec:
         jit_compile=family in JIT_FAMILIES and r.random() < 0.1,
     )
     # Drawn last, so that the cases drawn before it stay as they were. A
-    # subclassed model has no graph to cut; a layer with an activity
-    # regulariser is refused in a recomputed segment (its own tests).
-    remat = build != "subclassed" and not spec.regularize and r.random() < 0.3
+    # layer with an activity regulariser is refused in a recomputed segment
+    # or `Remat` (their own tests).
+    remat = not spec.regularize and r.random() < 0.3
     return dataclasses.replace(spec, remat=remat)
 
 
@@ -359,7 +361,10 @@ def _subclass(base, spec):
 
     def __init__(self, **kwargs):
         base.__init__(self, **kwargs)
-        self.parts = make_layers(spec)
+        parts = make_layers(spec)
+        if spec.remat and base is AccumulatingModel:
+            parts["trunk"] = [_wrapped(layer) for layer in parts["trunk"]]
+        self.parts = parts
 
     def call(self, inputs):
         return _apply(spec, self.parts, inputs)
@@ -390,6 +395,12 @@ def build_model(spec, accumulating: bool, sample_x):
     if not accumulating:
         return plain
     return _recomputing(AccumulatingModel.from_model(plain, **split), spec)
+
+
+def _wrapped(layer):
+    """`layer` recomputed in the backward pass (`Remat`), but for a layer that adds a
+    loss in `call`, which `Remat` refuses (its own tests)."""
+    return layer if isinstance(layer, (MeanPenalty, SumPenalty)) else Remat(layer)
 
 
 def _recomputing(model, spec):
