@@ -65,3 +65,38 @@ class OutOfMemoryAtSample(keras.layers.Layer):
         rows = tf.py_function(self._check, [largest, tf.shape(inputs)[0]], tf.int32)
         with tf.control_dependencies([rows]):
             return tf.identity(inputs[:, :-1])
+
+
+class OutOfMemoryOnce(keras.layers.Layer):
+    """Passes its input (and its Keras mask) on; raises out of memory once, at its
+    `at`-th run on a batch of more than one row (None: never).
+
+    Counted wherever a traced step runs the layer: a micro-batch's forward
+    pass in training, evaluation or prediction, or its recomputation in the
+    backward pass, so the failure comes wherever the count falls, with
+    micro-batches before it run. Not in eager calls: the package's probes of
+    two samples before the first step, where running out of memory means the
+    model's state does not fit. `at` and `runs` are read when the layer runs;
+    `raised` counts errors.
+    """
+
+    def __init__(self, at=None, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.runs, self.raised = at, 0, 0
+        self.supports_masking = True
+
+    def _check(self, rows):
+        rows = int(rows)
+        if rows > 1:
+            self.runs += 1
+            if self.runs == self.at:
+                self.raised += 1
+                raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=rows))
+        return rows
+
+    def call(self, inputs):
+        if tf.executing_eagerly():
+            return tf.identity(inputs)
+        rows = tf.py_function(self._check, [tf.shape(inputs)[0]], tf.int32)
+        with tf.control_dependencies([rows]):
+            return tf.identity(inputs)

@@ -48,10 +48,19 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _fuzz_cases import Spec, build_model, compile_kwargs, draw, make_data, make_optimizer  # noqa: E402
+from _fuzz_cases import (  # noqa: E402
+    Spec,
+    arm_fault,
+    build_model,
+    compile_kwargs,
+    draw,
+    make_data,
+    make_optimizer,
+)
 from _oracles import dense_gradients  # noqa: E402
 
 from keras_memopt._keras import LEGACY, keras  # noqa: E402
+from keras_memopt.callbacks import OOMBackoff  # noqa: E402
 
 RTOL = 1e-9
 EPOCHS = 2
@@ -84,6 +93,7 @@ class Run:
     history: dict
     evaluation: dict
     predictions: list
+    raised: int = 0  # the out-of-memory errors its fault layer raised (and it backed off from)
 
 
 def _first_rows(x, count=2):
@@ -106,24 +116,36 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     if not accumulating:
         optimizer = dense_gradients(optimizer)
     model.compile(optimizer=optimizer, **compile_kwargs(spec))
+    callbacks, fault = [], None
+    if accumulating and spec.oom_at:
+        fault = arm_fault(model, spec)
+        callbacks.append(OOMBackoff(verbose=0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         history = model.fit(
             x, y, batch_size=spec.batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
-            **fit_kwargs,
+            callbacks=callbacks, **fit_kwargs,
         )
         weights = {k: v for k, v in fit_kwargs.items() if k == "sample_weight"}
         evaluation = model.evaluate(
-            x, y, batch_size=spec.batch_size, verbose=0, return_dict=True, **weights
+            x, y, batch_size=spec.batch_size, verbose=0, return_dict=True, callbacks=callbacks,
+            **weights,
         )
-        predictions = model.predict(x, batch_size=spec.batch_size, verbose=0)
+        predictions = model.predict(
+            x, batch_size=spec.batch_size, verbose=0, callbacks=callbacks
+        )
+    history = dict(history.history)
+    if fault is not None:
+        # The callback's own figure: the micro-batch in use (plain Keras has none).
+        history.pop("micro_batch_size")
     return Run(
         initial=initial,
         variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
         iterations=int(model.optimizer.iterations.numpy()),
-        history=dict(history.history),
+        history=history,
         evaluation=dict(evaluation),
         predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
+        raised=fault.raised if fault is not None else 0,
     )
 
 
@@ -191,6 +213,7 @@ class Result:
     error: str | None = None  # what AccumulatingModel raised
     seconds: float = 0.0
     invalid: str | None = None  # what plain Keras raised: a case the generator should not draw
+    raised: int = 0  # out-of-memory errors injected in the AccumulatingModel's run
 
     @property
     def passed(self):
@@ -199,6 +222,8 @@ class Result:
     def line(self):
         status = "PASS" if self.passed else ("INVALID" if self.invalid else "FAIL")
         detail = f"worst={self.worst:.1e}"
+        if self.spec.oom_at:
+            detail += f" backed off {self.raised}x"
         if self.invalid:
             detail = f"plain Keras raised {self.invalid}"
         elif self.error:
@@ -226,7 +251,8 @@ def run(spec: Spec) -> Result:
     errors = differences(expected, received)
     failures = {k: v for k, v in errors.items() if not v <= RTOL}
     worst = max(errors.values(), default=0.0)
-    return Result(spec, worst, failures, None, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return Result(spec, worst, failures, None, seconds, raised=received.raised)
 
 
 def _summary(error):

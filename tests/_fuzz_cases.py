@@ -13,6 +13,7 @@ import random
 
 import numpy as np
 import tensorflow as tf
+from _faults import OutOfMemoryOnce
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import LEGACY, keras
@@ -92,6 +93,10 @@ class Spec:
     # Recomputation: a segment after every layer that separates the graph, or
     # in a subclassed model a `keras_memopt.Remat` around every trunk layer.
     remat: bool = False
+    # An out-of-memory error at the fault layer's `oom_at`-th run on more than one
+    # row (before the heads), with `OOMBackoff` attached: the AccumulatingModel's
+    # run backs off and retries wherever it falls (plain Keras runs no fault).
+    oom_at: int | None = None
 
     def describe(self):
         parts = [
@@ -104,6 +109,8 @@ class Spec:
             parts.append(self.recurrent)
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "remat")
+        if self.oom_at:
+            parts.append(f"oom_at={self.oom_at}")
         for flag in flags:
             if getattr(self, flag):
                 parts.append(flag)
@@ -202,7 +209,11 @@ def draw(seed: int) -> Spec:
     # layer with an activity regulariser is refused in a recomputed segment
     # or `Remat` (their own tests).
     remat = not spec.regularize and r.random() < 0.3
-    return dataclasses.replace(spec, remat=remat)
+    # XLA compiles no `tf.py_function`, which the fault layer runs; a
+    # micro-batch of one sample has nothing to back off to.
+    faulty = not spec.jit_compile and split != (("micro_batch_size", 1),)
+    oom_at = r.randint(2, 16) if faulty and r.random() < 0.3 else None
+    return dataclasses.replace(spec, remat=remat, oom_at=oom_at)
 
 
 # -- the model -----------------------------------------------------------------------
@@ -307,7 +318,19 @@ def output_names(spec):
 
 def make_layers(spec):
     heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
-    return {"trunk": _trunk(spec), "heads": heads}
+    parts = {"trunk": _trunk(spec), "heads": heads}
+    if spec.oom_at:
+        parts["fault"] = OutOfMemoryOnce(name="fault")  # armed by `arm_fault`
+    return parts
+
+
+def arm_fault(model, spec):
+    """Sets the model's fault layer to fail at its `spec.oom_at`-th run from now."""
+    for layer in model._flatten_layers():
+        if isinstance(layer, OutOfMemoryOnce):
+            layer.at, layer.runs = spec.oom_at, 0
+            return layer
+    raise ValueError(f"no fault layer in {model.name}")
 
 
 def _apply(spec, parts, inputs):
@@ -328,6 +351,8 @@ def _apply(spec, parts, inputs):
         x, rest = inputs, trunk
     for layer in rest:
         x = layer(x)
+    if "fault" in parts:
+        x = parts["fault"](x)
     results = [head(x) for head in parts["heads"]]
     if spec.outputs == "one":
         return results[0]
@@ -384,7 +409,8 @@ def build_model(spec, accumulating: bool, sample_x):
         return model
     parts = make_layers(spec)
     if spec.build == "sequential":
-        plain = keras.Sequential([_inputs(spec), *parts["trunk"], *parts["heads"]])
+        fault = [parts["fault"]] if "fault" in parts else []
+        plain = keras.Sequential([_inputs(spec), *parts["trunk"], *fault, *parts["heads"]])
     else:
         inputs = _inputs(spec)
         cls = AccumulatingModel if accumulating and spec.build == "functional" else keras.Model
