@@ -8,6 +8,8 @@ naming `ResourceExhaustedError`, one of the forms `is_oom` recognises.
 The real allocator is tested in subprocesses (tests marked slow).
 """
 
+import time
+
 import tensorflow as tf
 
 from keras_memopt._keras import keras
@@ -80,23 +82,29 @@ class OutOfMemoryOnce(keras.layers.Layer):
     `raised` counts errors.
     """
 
-    def __init__(self, at=None, **kwargs):
+    def __init__(self, at=None, replica=None, delay=0.0, **kwargs):
         super().__init__(**kwargs)
         self.at, self.runs, self.raised = at, 0, 0
+        # With `replica`, only that replica's runs count (under a strategy);
+        # `delay` seconds pass before the error, while other replicas go on.
+        self.replica, self.delay = replica, delay
         self.supports_masking = True
 
-    def _check(self, rows):
+    def _check(self, rows, replica):
         rows = int(rows)
-        if rows > 1:
+        if rows > 1 and self.replica in (None, int(replica)):
             self.runs += 1
             if self.runs == self.at:
                 self.raised += 1
+                time.sleep(self.delay)
                 raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=rows))
         return rows
 
     def call(self, inputs):
         if tf.executing_eagerly():
             return tf.identity(inputs)
-        rows = tf.py_function(self._check, [tf.shape(inputs)[0]], tf.int32)
+        context = tf.distribute.get_replica_context()
+        replica = 0 if context is None else context.replica_id_in_sync_group
+        rows = tf.py_function(self._check, [tf.shape(inputs)[0], replica], tf.int32)
         with tf.control_dependencies([rows]):
             return tf.identity(inputs)

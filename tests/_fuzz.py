@@ -13,7 +13,9 @@ optimizer of `keras.optimizers` with clipping, a schedule or EMA, a batch and a
 micro-batch size with uneven last ones, `steps_per_execution`, sometimes
 `jit_compile`, and sometimes recomputation (`remat=` a cut after every layer
 that separates the graph, or in a subclassed model `Remat` around every layer of
-its trunk).
+its trunk), an out-of-memory error at the n-th run of a layer before the heads
+with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain Keras runs no
+fault), and `MirroredStrategy` over two logical CPUs for both runs.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -234,11 +236,26 @@ class Result:
         return f"{status} {self.seconds:5.1f}s {self.spec.describe()} | {detail}"
 
 
-def run(spec: Spec) -> Result:
-    """Trains the case both ways in float64 and compares them."""
+def mirrored_strategy():
+    """The process's `MirroredStrategy` over two logical CPUs (made once: strategies
+    made one after another can hand out clashing collective keys on tf_keras)."""
+    global _STRATEGY
+    if _STRATEGY is None:
+        _STRATEGY = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    return _STRATEGY
+
+
+_STRATEGY = None
+
+
+def run(spec: Spec, strategy=None) -> Result:
+    """Trains the case both ways in float64 and compares them (under `strategy`, or
+    the process's own `mirrored_strategy()`, where the case draws one)."""
     started = time.perf_counter()
-    with float64():
-        keras.backend.clear_session()
+    with float64(), contextlib.ExitStack() as stack:
+        keras.backend.clear_session()  # before the scope: it resets the graph the scope is on
+        if spec.mirrored:
+            stack.enter_context((strategy or mirrored_strategy()).scope())
         try:
             expected = train(spec, accumulating=False)
         except Exception as error:  # noqa: BLE001 - reported: the generator's to mend
@@ -268,6 +285,9 @@ def main(argv=None):
     parser.add_argument("--cases", type=int, default=100, help="how many seeds")
     parser.add_argument("--seed", type=int, action="append", help="replay these seeds only")
     args = parser.parse_args(argv)
+    # Two logical CPUs for the cases under `MirroredStrategy`, as the tests have them.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     tf.get_logger().setLevel("ERROR")  # retracing notes: every case traces anew
     seeds = args.seed or range(args.first, args.first + args.cases)
     results = []

@@ -97,6 +97,9 @@ class Spec:
     # row (before the heads), with `OOMBackoff` attached: the AccumulatingModel's
     # run backs off and retries wherever it falls (plain Keras runs no fault).
     oom_at: int | None = None
+    # Both runs under `MirroredStrategy` over two logical CPUs (the oracle: plain
+    # Keras at the whole batch under the same strategy).
+    mirrored: bool = False
 
     def describe(self):
         parts = [
@@ -108,7 +111,7 @@ class Spec:
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
-                 "remat")
+                 "remat", "mirrored")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         for flag in flags:
@@ -213,7 +216,21 @@ def draw(seed: int) -> Spec:
     # micro-batch of one sample has nothing to back off to.
     faulty = not spec.jit_compile and split != (("micro_batch_size", 1),)
     oom_at = r.randint(2, 16) if faulty and r.random() < 0.3 else None
-    return dataclasses.replace(spec, remat=remat, oom_at=oom_at)
+    # A strategy distributes no sparse or ragged batches of these inputs; plain
+    # Keras 3 compiles no step under it with XLA on the CPU.
+    mirrored = family not in ("sparse", "ragged") and not spec.jit_compile and r.random() < 0.15
+    spec = dataclasses.replace(spec, remat=remat, oom_at=oom_at, mirrored=mirrored)
+    if mirrored:
+        # Plain Keras 3 under the strategy fails on a batch the replicas split
+        # unevenly (an `AddN` of their parts' shapes): even batches only; and
+        # with `steps_per_execution` ("You must feed a value for placeholder
+        # tensor" in its loop over steps).
+        batch_size = spec.batch_size + spec.batch_size % 2
+        spec = dataclasses.replace(
+            spec, batch_size=batch_size, samples=spec.samples // 2 * 2,
+            steps_per_execution=spec.steps_per_execution if LEGACY else 1,
+        )
+    return spec
 
 
 # -- the model -----------------------------------------------------------------------

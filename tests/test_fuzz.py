@@ -23,8 +23,10 @@ SEEDS = range(1, 16, 2) if LEGACY else range(0, 16, 2)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_drawn_case_matches_plain_keras(seed):
-    result = run(draw(seed))
+def test_drawn_case_matches_plain_keras(seed, request):
+    spec = draw(seed)
+    strategy = request.getfixturevalue("mirrored_strategy") if spec.mirrored else None
+    result = run(spec, strategy)
     assert result.passed, result.line()
 
 

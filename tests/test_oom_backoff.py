@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
-from _faults import OutOfMemoryAbove, OutOfMemoryAtSample
+from _faults import OutOfMemoryAbove, OutOfMemoryAtSample, OutOfMemoryOnce
 from conftest import LEGACY, last_json, run_python
 
 from keras_memopt import AccumulatingModel
@@ -335,6 +335,29 @@ class TestBackoff:
         _fit(reference, x, y)
         _assert_same_weights(model, reference)
         assert [b["micro_batch_size"] for b in backoff.backoffs] == [4]
+        assert int(model.optimizer.iterations.numpy()) == 2
+
+    def test_one_replica_out_of_memory_while_the_other_waits_in_the_update(
+        self, mirrored_strategy
+    ):
+        # Found by the fuzzer: replica 0 finished its micro-batches and marked
+        # its update begun, then replica 1 ran out of memory in its second
+        # one. The step was taken for a failed update ("may be partly
+        # updated") and fit stopped; nothing of the update can run before
+        # every replica's gradients are summed.
+        x, y = _data(n=64)
+        fault = OutOfMemoryOnce(at=2, replica=1, delay=1.0)
+        with mirrored_strategy.scope():
+            model = _model(micro_batch_size=4, fault=fault)
+            reference = _model(micro_batch_size=2)
+        backoff = OOMBackoff(verbose=0)
+        _fit(model, x, y, [backoff])
+        _fit(reference, x, y)
+        assert fault.raised == 1
+        assert [(b["phase"], b["micro_batch_size"]) for b in backoff.backoffs] == [
+            ("micro_batch", 2)
+        ]
+        _assert_same_weights(model, reference)
         assert int(model.optimizer.iterations.numpy()) == 2
 
     def test_the_callback_attaches_its_policy_and_puts_back_the_one_before(self):

@@ -249,6 +249,11 @@ class UpdateGuard:
         self._needs = {}
 
     def update_began(self) -> bool:
-        """Whether the last attempt got as far as its update (on any replica)."""
+        """Whether the last attempt's update may have run: every replica got as far as it.
+
+        One replica's mark alone says nothing: the update waits for the sum of
+        every replica's gradients, so a replica that ran out of memory in its
+        micro-batches stopped the update before anything of it was applied.
+        """
         parts = getattr(self._began, "values", None) or (self._began,)
-        return any(int(part.numpy()) for part in parts)
+        return all(int(part.numpy()) for part in parts)
