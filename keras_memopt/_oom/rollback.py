@@ -3,10 +3,11 @@
 A training step of `AccumulatingModel` changes its state in two phases:
 
 1. the micro-batch loop: BatchNormalization statistics, random seed states,
-   metrics, step and pruning counters (`loop_variables`): small;
-2. the optimizer update, which starts only once every micro-batch has run:
-   the weights and the optimizer's variables (`update_variables`): as large
-   as the model, twice or three times over.
+   metrics, step and pruning counters (`loop_variables`, with the optimizer's
+   scalars): small;
+2. the optimizer update, which starts only once every micro-batch has run
+   (on every replica): the weights and the optimizer's variables
+   (`update_variables`): as large as the model, twice or three times over.
 
 An out-of-memory error in the loop changes nothing of the second kind, so
 the copy a retry needs is of the first kind only (`Snapshot`, on the
@@ -72,8 +73,15 @@ def state_variables(model) -> list:
 
 
 def loop_variables(model) -> list:
-    """What the micro-batch loop may change: `state_variables` but the update's."""
-    updated = {id(v) for v in update_variables(model)}
+    """What a step that failed before its update may have changed: `state_variables`
+    but the update's, whose scalars excepted.
+
+    Under a strategy, a replica's update waits for every replica's gradients,
+    but an optimizer may change a scalar of its own before that on one replica
+    (Keras 3's Nadam its momentum product), while another replica is still in
+    its micro-batches and runs out of memory there.
+    """
+    updated = {id(v) for v in update_variables(model) if tuple(v.shape) != ()}
     return [v for v in state_variables(model) if id(v) not in updated]
 
 
