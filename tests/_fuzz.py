@@ -15,7 +15,8 @@ micro-batch size with uneven last ones, `steps_per_execution`, sometimes
 that separates the graph, or in a subclassed model `Remat` around every layer of
 its trunk), an out-of-memory error at the n-th run of a layer before the heads
 with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain Keras runs no
-fault), and `MirroredStrategy` over two logical CPUs for both runs.
+fault), `MirroredStrategy` over two logical CPUs for both runs, and validation
+data in `fit`.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -124,11 +125,13 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         callbacks.append(OOMBackoff(verbose=0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        weights = {k: v for k, v in fit_kwargs.items() if k == "sample_weight"}
+        if spec.validation:
+            fit_kwargs = dict(fit_kwargs, validation_data=(x, y, *weights.values()))
         history = model.fit(
             x, y, batch_size=spec.batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
             callbacks=callbacks, **fit_kwargs,
         )
-        weights = {k: v for k, v in fit_kwargs.items() if k == "sample_weight"}
         evaluation = model.evaluate(
             x, y, batch_size=spec.batch_size, verbose=0, return_dict=True, callbacks=callbacks,
             **weights,

@@ -100,6 +100,7 @@ class Spec:
     # Both runs under `MirroredStrategy` over two logical CPUs (the oracle: plain
     # Keras at the whole batch under the same strategy).
     mirrored: bool = False
+    validation: bool = False  # `fit(validation_data=...)`: its figures are compared too
 
     def describe(self):
         parts = [
@@ -111,7 +112,7 @@ class Spec:
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
-                 "remat", "mirrored")
+                 "remat", "mirrored", "validation")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         for flag in flags:
@@ -219,7 +220,10 @@ def draw(seed: int) -> Spec:
     # A strategy distributes no sparse or ragged batches of these inputs; plain
     # Keras 3 compiles no step under it with XLA on the CPU.
     mirrored = family not in ("sparse", "ragged") and not spec.jit_compile and r.random() < 0.15
-    spec = dataclasses.replace(spec, remat=remat, oom_at=oom_at, mirrored=mirrored)
+    validation = r.random() < 0.2
+    spec = dataclasses.replace(
+        spec, remat=remat, oom_at=oom_at, mirrored=mirrored, validation=validation
+    )
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
