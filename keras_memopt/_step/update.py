@@ -48,7 +48,8 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
     gradient reaches `update_step` with each row once (`_loop.sum_rows`):
     the loop sums a replica's rows, but the all-reduce across replicas
     concatenates the replicas' rows again, and Keras 3's optimizers would
-    apply a repeated row slice by slice. Optimizers without `update_step`
+    apply a repeated row slice by slice (tf_keras's get them summed after
+    its all-reduce, before it clips them). Optimizers without `update_step`
     (tf_keras's legacy ones, which sum rows themselves) are left as they are.
     Idempotent.
     """
@@ -76,6 +77,16 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
 
     chained_update_step.chained = True
     inner.update_step = chained_update_step
+    aggregate = getattr(inner, "aggregate_gradients", None)
+    if aggregate is not None:
+        # tf_keras sums the replicas' gradients here and clips them next,
+        # before its own row sums: `global_clipnorm` would read the norm of
+        # the concatenated rows, not of the batch's gradient.
+        def summed_aggregate(grads_and_vars):
+            return [(_loop.sum_rows(g) if isinstance(g, tf.IndexedSlices) else g, v)
+                    for g, v in aggregate(grads_and_vars)]
+
+        inner.aggregate_gradients = summed_aggregate
 
 
 class UpdateGuard:
