@@ -15,8 +15,10 @@ micro-batch size with uneven last ones, `steps_per_execution`, sometimes
 that separates the graph, or in a subclassed model `Remat` around every layer of
 its trunk), an out-of-memory error at the n-th run of a layer before the heads
 with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain Keras runs no
-fault), `MirroredStrategy` over two logical CPUs for both runs, and validation
-data in `fit`.
+fault), `MirroredStrategy` over two logical CPUs for both runs, validation
+data in `fit`, batches from a `tf.data.Dataset`, a frozen trunk layer, a
+`LearningRateScheduler` callback, more metrics (AUC, cross-entropy, RMSE) and
+`weighted_metrics`, and a second `fit` at another batch size and split.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -120,29 +122,41 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         optimizer = dense_gradients(optimizer)
     model.compile(optimizer=optimizer, **compile_kwargs(spec))
     callbacks, fault = [], None
+    if spec.lr_callback:
+        callbacks.append(keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5))
     if accumulating and spec.oom_at:
         fault = arm_fault(model, spec)
         callbacks.append(OOMBackoff(verbose=0))
+    weights = [fit_kwargs.pop("sample_weight")] if "sample_weight" in fit_kwargs else []
+    labelled, unlabelled = _feed(spec, x, y, weights, spec.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        weights = {k: v for k, v in fit_kwargs.items() if k == "sample_weight"}
         if spec.validation:
-            fit_kwargs = dict(fit_kwargs, validation_data=(x, y, *weights.values()))
+            validation = labelled["x"] if spec.dataset else (x, y, *weights)
+            fit_kwargs = dict(fit_kwargs, validation_data=validation)
         history = model.fit(
-            x, y, batch_size=spec.batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
-            callbacks=callbacks, **fit_kwargs,
-        )
+            **labelled, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
+            **fit_kwargs,
+        ).history
+        if spec.refit:
+            if accumulating:
+                (setting, value), = spec.split
+                if setting == "accumulation_steps":
+                    model.micro_batch_size = None  # where `OOMBackoff` set one
+                setattr(model, setting, value + 1)
+            more = model.fit(
+                **_feed(spec, x, y, weights, spec.batch_size + 2)[0], epochs=EPOCHS + 1,
+                initial_epoch=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
+                **fit_kwargs,
+            )
+            history = dict(history, **{f"refit {k}": v for k, v in more.history.items()})
         evaluation = model.evaluate(
-            x, y, batch_size=spec.batch_size, verbose=0, return_dict=True, callbacks=callbacks,
-            **weights,
+            **labelled, verbose=0, return_dict=True, callbacks=callbacks
         )
-        predictions = model.predict(
-            x, batch_size=spec.batch_size, verbose=0, callbacks=callbacks
-        )
-    history = dict(history.history)
+        predictions = model.predict(**unlabelled, verbose=0, callbacks=callbacks)
     if fault is not None:
         # The callback's own figure: the micro-batch in use (plain Keras has none).
-        history.pop("micro_batch_size")
+        history = {k: v for k, v in history.items() if not k.endswith("micro_batch_size")}
     return Run(
         initial=initial,
         variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
@@ -152,6 +166,25 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
         raised=fault.raised if fault is not None else 0,
     )
+
+
+def _feed(spec, x, y, weights, batch_size):
+    """The keyword arguments that pass the samples with their targets (and sample
+    `weights`, a list of none or one) to `fit` and `evaluate`, and without to
+    `predict`: arrays with `batch_size`, or a `tf.data.Dataset` in such batches."""
+    if not spec.dataset:
+        labelled = dict(x=x, y=y, batch_size=batch_size)
+        if weights:
+            labelled["sample_weight"] = weights[0]
+        return labelled, dict(x=x, batch_size=batch_size)
+
+    def batched(*parts):
+        # A list of arrays would be stacked into one tensor: a tuple stays a structure.
+        parts = tuple(tuple(p) if isinstance(p, list) else p for p in parts)
+        data = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+        return data.batch(batch_size)
+
+    return dict(x=batched(x, y, *weights)), dict(x=batched(x))
 
 
 def _name(variable, index):

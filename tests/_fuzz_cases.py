@@ -101,6 +101,18 @@ class Spec:
     # Keras at the whole batch under the same strategy).
     mirrored: bool = False
     validation: bool = False  # `fit(validation_data=...)`: its figures are compared too
+    # Batches from a `tf.data.Dataset` of (x, y[, sample_weight]) instead of arrays.
+    dataset: bool = False
+    # The trunk layer at this index (the last where it has fewer) frozen:
+    # `trainable=False` (fine-tuning's frozen embedding or feature layer).
+    frozen: int | None = None
+    # `keras.callbacks.LearningRateScheduler` halving the learning rate each epoch.
+    lr_callback: bool = False
+    # More metrics than accuracy or MAE (AUC, cross-entropy, RMSE), and `weighted_metrics`.
+    metrics: bool = False
+    # A second `fit` (one epoch more, `initial_epoch`) at a batch two samples
+    # larger, the `AccumulatingModel`'s split changed in between.
+    refit: bool = False
 
     def describe(self):
         parts = [
@@ -112,9 +124,11 @@ class Spec:
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
-                 "remat", "mirrored", "validation")
+                 "remat", "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
+        if self.frozen is not None:
+            parts.append(f"frozen={self.frozen}")
         for flag in flags:
             if getattr(self, flag):
                 parts.append(flag)
@@ -221,8 +235,14 @@ def draw(seed: int) -> Spec:
     # Keras 3 compiles no step under it with XLA on the CPU.
     mirrored = family not in ("sparse", "ragged") and not spec.jit_compile and r.random() < 0.15
     validation = r.random() < 0.2
+    dataset = r.random() < 0.25
+    frozen = r.randint(0, 2) if r.random() < 0.2 else None
+    # A learning-rate schedule object is no variable the callback could set.
+    lr_callback = spec.schedule is None and r.random() < 0.2
     spec = dataclasses.replace(
-        spec, remat=remat, oom_at=oom_at, mirrored=mirrored, validation=validation
+        spec, remat=remat, oom_at=oom_at, mirrored=mirrored, validation=validation,
+        dataset=dataset, frozen=frozen, lr_callback=lr_callback,
+        metrics=r.random() < 0.25, refit=r.random() < 0.2,
     )
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
@@ -340,6 +360,8 @@ def output_names(spec):
 def make_layers(spec):
     heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
     parts = {"trunk": _trunk(spec), "heads": heads}
+    if spec.frozen is not None:
+        parts["trunk"][min(spec.frozen, len(parts["trunk"]) - 1)].trainable = False
     if spec.oom_at:
         parts["fault"] = OutOfMemoryOnce(name="fault")  # armed by `arm_fault`
     return parts
@@ -560,9 +582,22 @@ def _loss(head):
     return keras.losses.MeanSquaredError()
 
 
-def _metric(head):
-    return {"sparse": "sparse_categorical_accuracy", "categorical": "categorical_accuracy",
-            "binary": "binary_accuracy"}.get(head.kind, "mae")
+def _metrics(head, more):
+    first = {"sparse": "sparse_categorical_accuracy", "categorical": "categorical_accuracy",
+             "binary": "binary_accuracy"}.get(head.kind, "mae")
+    if not more:
+        return [first]
+    # (Keras 3's top-k accuracies raise in float64: `InTopKV2` takes float32 only.)
+    if head.kind == "sparse":
+        return [first, keras.metrics.SparseCategoricalCrossentropy(
+            from_logits=head.from_logits, name="crossentropy")]
+    if head.kind == "categorical":
+        return [first, keras.metrics.CategoricalCrossentropy(
+            from_logits=head.from_logits, name="crossentropy")]
+    if head.kind == "binary":
+        return [first, keras.metrics.AUC(
+            num_thresholds=20, from_logits=head.from_logits, name="auc")]
+    return [first, keras.metrics.RootMeanSquaredError(name="rmse")]
 
 
 def make_optimizer(spec):
@@ -579,15 +614,17 @@ def make_optimizer(spec):
 def compile_kwargs(spec):
     names = output_names(spec)
     losses = [_loss(h) for h in spec.heads]
-    metrics = [[_metric(h)] for h in spec.heads]
-    kwargs = {}
+    metrics = [_metrics(h, spec.metrics) for h in spec.heads]
+    weighted = [_metrics(h, spec.metrics)[:1] for h in spec.heads]
     if spec.outputs == "one":
-        kwargs.update(loss=losses[0], metrics=metrics[0])
+        kwargs = dict(loss=losses[0], metrics=metrics[0], weighted_metrics=weighted[0])
     elif spec.outputs == "dict":
-        kwargs.update(loss=dict(zip(names, losses, strict=True)),
-                      metrics=dict(zip(names, metrics, strict=True)))
+        kwargs = {key: dict(zip(names, value, strict=True)) for key, value in
+                  (("loss", losses), ("metrics", metrics), ("weighted_metrics", weighted))}
     else:
-        kwargs.update(loss=losses, metrics=metrics)
+        kwargs = dict(loss=losses, metrics=metrics, weighted_metrics=weighted)
+    if not spec.metrics:
+        kwargs.pop("weighted_metrics")
     if spec.loss_weights:
         weights = [1.0, 0.3]
         kwargs["loss_weights"] = (
