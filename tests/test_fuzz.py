@@ -140,6 +140,9 @@ FOUND = {
         family="pooled", mirrored=True, optimizer="SGD",
         optimizer_options=(("global_clipnorm", 0.01),), samples=24,
     ),
+    # Keras 3 turns `class_weight` into float32 sample weights for a `tf.data.Dataset`;
+    # each micro-batch's share was multiplied in as float32 too (1e-8 from float64 Keras).
+    "class-weights-with-a-dataset": case(class_weight=True, dataset=True),
 }
 
 

@@ -203,15 +203,17 @@ def _output_weights(y_pred, sample_weight, shares, masks):
 
 
 def _scaled(sample_weight, share):
-    """`sample_weight` times `share`, in the sample weight's float dtype (Keras's
-    float type for integer weights); `share` alone where there is no weight."""
+    """`sample_weight` times `share`, in the sample weight's float dtype or Keras's
+    float type, the wider (Keras casts the weights to the loss's type: float32
+    weights of a float64 model times a float32 share would round the share);
+    `share` alone where there is no weight."""
     if share is None:
         return sample_weight
     if sample_weight is None:
         return share
-    dtype = sample_weight.dtype
-    if not dtype.is_floating:
-        dtype = _keras.keras.backend.floatx()
+    dtype = tf.as_dtype(_keras.keras.backend.floatx())
+    if sample_weight.dtype.is_floating and sample_weight.dtype.size > dtype.size:
+        dtype = sample_weight.dtype
     return tf.cast(sample_weight, dtype) * tf.cast(share, dtype)
 
 
