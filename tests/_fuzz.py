@@ -18,7 +18,8 @@ with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain Keras runs no
 fault), `MirroredStrategy` over two logical CPUs for both runs, validation
 data in `fit`, batches from a `tf.data.Dataset`, a frozen trunk layer, a
 `LearningRateScheduler` callback, more metrics (AUC, cross-entropy, RMSE) and
-`weighted_metrics`, and a second `fit` at another batch size and split.
+`weighted_metrics`, a second `fit` at another batch size and split, and on Keras 3
+the optimizer's own `gradient_accumulation_steps`.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -310,9 +311,12 @@ def run(spec: Spec, strategy=None) -> Result:
 
 def _summary(error):
     """The line of an error's message that says what happened."""
-    lines = [line for line in str(error).splitlines() if line.strip()] or [""]
-    line = lines[-1] if "Graph execution" in lines[0] else lines[0]
-    return f"{type(error).__name__}: {line[:200]}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    if lines[0].startswith(("Graph execution", "in user code")):
+        lines = lines[-1:]
+    # Keras's header of an error in a layer's call: the message follows it.
+    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines
+    return f"{type(error).__name__}: {lines[0][:200]}"
 
 
 def main(argv=None):

@@ -244,6 +244,11 @@ def draw(seed: int) -> Spec:
         dataset=dataset, frozen=frozen, lr_callback=lr_callback,
         metrics=r.random() < 0.25, refit=r.random() < 0.2,
     )
+    # Keras 3's optimizers accumulate gradients over updates themselves too
+    # (plain Keras 3 raises with it under a strategy: `merge_call` in a graph).
+    if not LEGACY and r.random() < 0.1 and not spec.mirrored:
+        options = (*spec.optimizer_options, ("gradient_accumulation_steps", 2))
+        spec = dataclasses.replace(spec, optimizer_options=tuple(sorted(options)))
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
