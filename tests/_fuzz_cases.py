@@ -620,7 +620,7 @@ def compile_kwargs(spec):
     names = output_names(spec)
     losses = [_loss(h) for h in spec.heads]
     metrics = [_metrics(h, spec.metrics) for h in spec.heads]
-    weighted = [_metrics(h, spec.metrics)[:1] for h in spec.heads]
+    weighted = [m[:1] for m in metrics]  # the accuracy or MAE, weighted
     if spec.outputs == "one":
         kwargs = dict(loss=losses[0], metrics=metrics[0], weighted_metrics=weighted[0])
     elif spec.outputs == "dict":
