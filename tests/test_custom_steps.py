@@ -278,9 +278,9 @@ class TestAccumulateGradients:
                 return super().distillation_loss(data)
 
         _fit_distiller(Recording, **MICRO)
-        # First the loss check on two samples, again, and repeated (eagerly,
-        # before the first step); then the step's micro-batches.
-        assert sizes[:9] == [2, 2, 4, 5, 5, 5, 1, 5, 5]
+        # First the loss check on two samples, again, repeated and each alone
+        # (eagerly, before the first step); then the step's micro-batches.
+        assert sizes[:11] == [2, 2, 4, 1, 1, 5, 5, 5, 1, 5, 5]
 
     def test_sparse_gradients_stay_sparse_with_each_row_once(self):
         keras.utils.set_random_seed(0)
@@ -355,6 +355,18 @@ class TestCoupledLoss:
         assert len(caught) == 1
         assert "forward=" in str(caught[0].message) and caught[0].filename == __file__
         assert not self._fit(contrastive, forward=True)  # a loss of the whole batch
+
+    def test_a_ratio_of_batch_sums_is_warned_about(self):
+        # A Dice-style ratio keeps its value on repeated samples: only the
+        # samples one at a time show that micro-batches cannot add it up.
+        def dice(outputs):
+            p, t = tf.sigmoid(outputs), tf.ones_like(outputs)  # every target 1
+            return 1.0 - 2.0 * tf.reduce_sum(p * t) / (tf.reduce_sum(p) + tf.reduce_sum(t))
+
+        caught = self._fit(dice)
+        assert len(caught) == 1
+        assert "as the sum of each sample's loss weighted by its share" in str(caught[0].message)
+        assert not self._fit(dice, forward=True)
 
     def test_a_mean_is_not(self):
         assert not self._fit(lambda outputs: tf.reduce_mean(tf.square(outputs)))

@@ -250,6 +250,62 @@ def test_a_loss_that_does_not_fit_is_reported_at_once():
     assert out["backoffs"] == 0 and out["unchanged"] and out["iterations"] == 0, out
 
 
+def soft_dice(y_true, y_pred):
+    """A segmentation loss as users write it: one ratio of the batch's sums."""
+    overlap = tf.reduce_sum(y_true * y_pred)
+    return 1.0 - 2.0 * overlap / (tf.reduce_sum(y_true) + tf.reduce_sum(y_pred) + 1e-6)
+
+
+def _segmenter(cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 2))
+    x = layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    return cls(inputs, layers.Conv2D(1, 1, activation="sigmoid")(x), **kwargs)
+
+
+def _fit_segmenter(model, loss):
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(40, 8, 8, 2)).astype("float32")
+    y = (rng.uniform(size=(40, 8, 8, 1)) < 0.3).astype("float32")
+    model.compile(keras.optimizers.Adam(0.01), loss)
+    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    return model, history.history, model.evaluate(x, y, batch_size=20, verbose=0, return_dict=True)
+
+
+# Keras 3's own Dice and Tversky losses reduce over the whole batch (`axis=None`).
+RATIO_LOSSES = ["soft_dice"] + ([] if LEGACY else ["dice", "tversky"])
+
+
+@pytest.mark.parametrize("loss", RATIO_LOSSES)
+def test_a_ratio_of_the_batchs_sums_is_refused_and_exact_with_the_option(loss):
+    """A Dice loss keeps its value on repeated samples, so only the samples one at
+    a time show it is no mean of per-sample terms; silently, the micro-batches'
+    weighted Dice losses would train another model."""
+    fresh = {"soft_dice": lambda: soft_dice}.get(loss) or getattr(keras.losses, loss.title())
+    model = _segmenter(AccumulatingModel, micro_batch_size=8)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"as the sum of each sample's loss weighted by its "
+                       r"share.*a Dice loss.*whole_batch_loss=True"):
+        _fit_segmenter(model, fresh())
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == 0
+    _assert_same(
+        _fit_segmenter(_segmenter(keras.Model), fresh()),
+        _fit_segmenter(_segmenter(AccumulatingModel, micro_batch_size=8, whole_batch_loss=True),
+                       fresh()),
+    )
+
+
+@pytest.mark.skipif(LEGACY, reason="Keras 3's Dice loss")
+def test_a_per_sample_dice_loss_needs_no_option():
+    expected = _fit_segmenter(_segmenter(keras.Model), keras.losses.Dice(axis=(1, 2, 3)))
+    received = _fit_segmenter(
+        _segmenter(AccumulatingModel, micro_batch_size=8), keras.losses.Dice(axis=(1, 2, 3))
+    )
+    _assert_same(expected, received)
+
+
 def test_custom_step_with_a_forward_function():
     class Plain(keras.Model):
         def train_step(self, data):

@@ -9,9 +9,11 @@ calls neither it nor `super().train_step` saves no memory, and is told so.
 Before the first step, a custom step runs once eagerly on the batch's first
 two samples, as far as its first `accumulate_gradients` call
 (`_check_custom_loss`): its `loss_fn` is evaluated on those samples, again,
-and on the samples repeated. A per-sample mean keeps its value; a loss that
-changes couples the samples, which micro-batches cannot add up, and is warned
-about once. A loss that draws random numbers (a GAN's noise) cannot be
+on the samples repeated and on each sample alone. A per-sample mean keeps its
+value on the repeated samples and is the mean of the samples' own; a loss
+that does neither couples the samples (a contrastive loss, a ratio of the
+batch's sums such as a Dice loss), which micro-batches cannot add up, and is
+warned about once. A loss that draws random numbers (a GAN's noise) cannot be
 checked this way and is not. What the run changed is put back.
 """
 
@@ -20,13 +22,23 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras
 from keras_memopt._oom import rollback as _rollback
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import whole_batch as _whole_batch
-from keras_memopt._step.loss_check import MEAN, first_samples, kind_of, repeat, what_changed
+from keras_memopt._step.loss_check import (
+    MEAN,
+    adds_up,
+    first_samples,
+    kind_of,
+    repeat,
+    sample,
+    what_changed,
+    what_split,
+)
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 _CHECKED_CUSTOM_LOSSES: set[type] = set()
@@ -121,15 +133,21 @@ class CustomSteps:
             raise error
         if values is None:
             return
-        once, again, twice = values
-        if abs(again - once) <= 1e-6 * max(abs(once), 1e-12) and kind_of(once, twice) != MEAN:
+        once, again, twice, *alone = values
+        if abs(again - once) > 1e-6 * max(abs(once), 1e-12):
+            return  # random draws: not checked
+        changed = what_changed(once, twice) if kind_of(once, twice) != MEAN else None
+        parts = np.mean(alone) if alone else float("nan")
+        if changed is None and not adds_up(once, parts, np.mean(np.abs(alone or [0.0]))):
+            changed = what_split(once, parts)
+        if changed is not None:
             _warn_at(
                 cls.train_step,
                 f"{cls.__name__}.train_step: the `loss_fn` given to "
                 "`accumulate_gradients` is not a mean of per-sample terms: it "
-                f"{what_changed(once, twice)}. Its micro-batches' losses do not add up to "
-                "the batch's (a contrastive loss whose negatives are the batch's other "
-                "rows), so the gradients are not the batch's. Pass "
+                f"{changed}. Its micro-batches' losses do not add up to the batch's (a "
+                "contrastive loss whose negatives are the batch's other rows, a Dice "
+                "loss), so the gradients are not the batch's. Pass "
                 "`forward=lambda micro_batch: outputs` and a `loss_fn(outputs, data)` of "
                 "the whole batch's outputs to `accumulate_gradients`.",
             )
@@ -146,7 +164,9 @@ class CustomSteps:
         """In the probe run: the loss values `_check_custom_loss` compares, then out."""
         if forward is not None:
             raise _Probed(None)  # a loss of the whole batch: nothing to check
-        values = [float(loss_fn(sample)) for sample in (data, data, repeat(data))]
+        count = _loop.static_batch_size(data) or 0
+        alone = [sample(data, index) for index in range(count)] if count > 1 else []
+        values = [float(loss_fn(part)) for part in (data, data, repeat(data), *alone)]
         raise _Probed(values)
 
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):

@@ -11,7 +11,11 @@ repeated (`x2 + x2`), in inference mode and with no state left changed:
   mode too (a VAE's sampling layer) cannot make the two differ. A loss that
   does not keep it couples the samples (a sum, a contrastive loss whose
   negatives are the batch's other rows): refused, unless the model trains
-  with `whole_batch_loss=True`, which evaluates it once on the whole batch;
+  with `whole_batch_loss=True`, which evaluates it once on the whole batch.
+  A ratio of the batch's sums (a Dice or Tversky loss) keeps its value on
+  repeated samples, so the same outputs are also evaluated one sample at a
+  time, each weighted by its share as the micro-batches are (`split`): a
+  mean of per-sample terms gives the batch's loss, a ratio of sums does not;
 - each term of `model.losses` (`add_loss`, activity and weight
   regularisers) comes from its own forward pass: `MEAN` when it keeps its
   value on the repeated samples (or does not depend on them), `SUM` when it
@@ -40,6 +44,8 @@ MEAN, SUM = "mean", "sum"
 
 # float32 evaluation of the same per-sample terms in another order.
 _PROBE_RTOL = 1e-4
+# Mixed precision's loss types: a sum of parts rounded each on its own.
+_EPSILONS = {tf.float16: 2.0**-10, tf.bfloat16: 2.0**-7}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +77,13 @@ def has_compiled_loss(model) -> bool:
     return _keras.compiled_loss_container(model) is not None
 
 
-def check(model, data, whole_batch_loss=False) -> LossForm:
+def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     """Classifies the loss on the first batch; raises for what cannot be split.
+
+    `split(form, x, y, y_pred)`, where given, is `(loss, magnitude)`: the loss
+    of a few samples' outputs `y_pred` as micro-batches of one sample add it
+    up with the shares `form` gives, and the sum of their parts' absolute
+    values (`keras_memopt._step.losses.LossSplit`).
 
     Raises:
         ValueError: for a loss of the outputs that does not average over
@@ -97,15 +108,20 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
         lambda: _rollback.loop_variables(model), model.distribute_strategy
     )
     taken = snapshot.take()
+    classes = ignore_classes(model, y)
     try:
-        once, again, doubled = _probe(model, pair), _probe(model, pair), _probe(model, twice)
+        once = _probe(model, pair, classes, None if whole_batch_loss else split)
+        again, doubled = _probe(model, pair, classes, None), _probe(model, twice, classes, None)
         _batch_dependence.warn(model, x)
     finally:
         for metric in model.metrics:  # the loss trackers may be new
             metric.reset_state()
         snapshot.restore(taken)
-    if not whole_batch_loss and not np.isnan(once[0]) and kind_of(once[0], once[1]) != MEAN:
-        raise ValueError(_coupled_message(model, once[0], once[1]))
+    if not whole_batch_loss and not np.isnan(once[0]):
+        if kind_of(once[0], once[1]) != MEAN:
+            raise ValueError(_coupled_message(model, what_changed(once[0], once[1])))
+        if not adds_up(once[0], *once[2:5]):
+            raise ValueError(_coupled_message(model, what_split(once[0], once[2])))
     terms = []
     probes = zip(_terms(once), _terms(again), _terms(doubled), strict=True)
     for index, (a, b, c) in enumerate(probes):
@@ -119,18 +135,19 @@ def check(model, data, whole_batch_loss=False) -> LossForm:
                 f"does not. Received: model.losses[{index}]"
             )
         terms.append(kind)
-    return LossForm(tuple(terms), ignore_classes(model, y), masked=bool(once[-1]))
+    return LossForm(tuple(terms), classes, masked=bool(once[-1]))
 
 
-def _coupled_message(model, once, twice):
+def _coupled_message(model, changed):
     where = "`compute_loss`" if overrides(model, "compute_loss") else "compiled loss"
     return (
         "AccumulatingModel adds up each micro-batch's loss weighted by its share "
         "of the batch, which equals the batch's loss when the loss is a mean of "
         f"per-sample terms; this {where} is not: on the same outputs it "
-        f"{what_changed(once, twice)}, so it sums over the batch or couples its samples "
+        f"{changed}, so it sums over the batch or couples its samples "
         "(a contrastive loss whose negatives are the batch's other rows, a listwise "
-        "ranking loss). Pass `whole_batch_loss=True` to AccumulatingModel to evaluate "
+        "ranking loss, a ratio of the batch's sums such as a Dice loss). Pass "
+        "`whole_batch_loss=True` to AccumulatingModel to evaluate "
         "it once on the whole batch's outputs (exact for any loss of the outputs, "
         "for about one more forward pass), or return one loss value per sample "
         "(Keras averages them). Received: "
@@ -145,8 +162,8 @@ _NEGLIGIBLE = 1e-6
 
 def _terms(values):
     """`(value, gradient norm)` of each term of `model.losses` in a probe's values."""
-    count = (len(values) - 3) // 2
-    return list(zip(values[2 : 2 + count], values[2 + count : -1], strict=True))
+    count = (len(values) - 6) // 2
+    return list(zip(values[5 : 5 + count], values[5 + count : -1], strict=True))
 
 
 def _term_kind(once, again, doubled):
@@ -165,28 +182,29 @@ def _term_kind(once, again, doubled):
     return kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
 
 
-def _probe(model, data):
-    """`_evaluate(model, *data)` in a replica's context (where Keras updates its
+def _probe(model, data, classes, split):
+    """`_evaluate(model, *data, ...)` in a replica's context (where Keras updates its
     loss trackers), as a list; Keras's warnings come from the step, once."""
     strategy = model.distribute_strategy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        values = strategy.run(_evaluate, args=(model, *data))
+        values = strategy.run(_evaluate, args=(model, *data, classes, split))
     return strategy.experimental_local_results(values)[0].numpy().tolist()
 
 
-def _evaluate(model, x, y):
-    """[loss of the outputs, the same on them repeated (NaN: none), each term of
-    `model.losses`, each term's gradient norm, 1 if an output carries a mask]
-    on one batch."""
+def _evaluate(model, x, y, classes, split):
+    """[loss of the outputs, the same on them repeated (NaN: none), the same one
+    sample at a time, its parts' magnitude and the relative tolerance of the
+    loss's float type (`split`; NaN: none), each term of `model.losses`, each
+    term's gradient norm, 1 if an output carries a mask] on one batch."""
     variables = model.trainable_variables
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
         terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
     norms = [_norm(tape.gradient(term, variables)) for term in terms]
     del tape
-    nan = tf.constant(float("nan"))
-    once = twice = nan
+    once = twice = nan = tf.constant(float("nan"))
+    parts = (nan, nan, nan)
     if overrides(model, "compute_loss"):
         once = _keras.compute_loss(model, x, y, y_pred, None, training=False)
         twice = _keras.compute_loss(
@@ -196,8 +214,12 @@ def _evaluate(model, x, y):
         once = _keras.compiled_loss(model, y, y_pred, None, [])
         twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
     masked = any(_keras.get_mask(t) is not None for t in tf.nest.flatten(y_pred))
-    values = [tf.cast(once, tf.float32), tf.cast(twice, tf.float32), *terms, *norms]
-    return tf.stack([*values, tf.constant(float(masked))])
+    if split is not None and once is not nan:
+        # Mixed precision's float16 losses round each sample's part on its own.
+        rtol = max(_PROBE_RTOL, 4 * _EPSILONS.get(tf.as_dtype(once.dtype), 0.0))
+        parts = (*split(LossForm((), classes, masked), x, y, y_pred), rtol)
+    values = [once, twice, *parts, *terms, *norms]
+    return tf.stack([*(tf.cast(v, tf.float32) for v in values), tf.constant(float(masked))])
 
 
 def _norm(gradients) -> tf.Tensor:
@@ -251,19 +273,30 @@ def first_samples(data, count):
 def repeat(data):
     """Every sample twice (`x + x`), masks and the logits behind a softmax or
     sigmoid output included (Keras's cross-entropies read those)."""
+    return _rebuilt(data, lambda t: _loop.concat_rows([t, t]))
 
-    def twice(t):
+
+def sample(data, index):
+    """Sample `index` of a batch, as `repeat` keeps masks and logits."""
+    return _rebuilt(data, lambda t: _loop.rows(t, index, 1))
+
+
+def _rebuilt(data, rows):
+    """`rows(t)` of each tensor `t` of `data`, with `rows` of its mask and of
+    the logits Keras reads behind it."""
+
+    def rebuilt(t):
         if t is None:
             return None
         mask, logits = _keras.get_mask(t), _keras.logits_of(t)
-        doubled = _loop.concat_rows([t, t])
+        result = rows(t)
         if logits is not None:
-            doubled = _keras.carry_logits(doubled, tf.concat([logits, logits], 0), t)
+            result = _keras.carry_logits(result, rows(logits), t)
         if mask is not None:
-            _keras.set_mask(doubled, tf.concat([mask, mask], 0))
-        return doubled
+            _keras.set_mask(result, rows(mask))
+        return result
 
-    return tf.nest.map_structure(twice, data)
+    return tf.nest.map_structure(rebuilt, data)
 
 
 def kind_of(once, twice, spread=0.0):
@@ -282,6 +315,21 @@ def kind_of(once, twice, spread=0.0):
     if to_sum <= tolerance:
         return SUM
     return None
+
+
+def adds_up(whole, parts, magnitude, rtol=_PROBE_RTOL) -> bool:
+    """Whether the parts' loss `parts` is the batch's `whole` (NaN `parts`: not
+    evaluated), within float rounding of the parts' `magnitude`."""
+    if np.isnan(parts):
+        return True
+    return abs(parts - whole) <= rtol * max(abs(whole), abs(magnitude), 1e-12)
+
+
+def what_split(whole, parts):
+    return (
+        f"was {whole:.6g} on two samples but {parts:.6g} as the sum of each sample's "
+        "loss weighted by its share, as micro-batches add it up"
+    )
 
 
 def what_changed(once, twice):

@@ -39,7 +39,14 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 from keras_memopt._step import loop as _loop
-from keras_memopt._step.loss_check import SUM, LossForm, check, has_compiled_loss, overrides
+from keras_memopt._step.loss_check import (
+    SUM,
+    LossForm,
+    check,
+    has_compiled_loss,
+    overrides,
+    sample,
+)
 
 
 def check_mean_reduction(loss):
@@ -71,13 +78,13 @@ class LossSplit:
     def check(self, data, whole_batch_loss=False):
         """Finds `form` on the first batch (once); raises for losses it cannot split."""
         if self.form is None:
-            self.form = check(self.model, data, whole_batch_loss)
+            self.form = check(self.model, data, whole_batch_loss, self._one_at_a_time)
 
-    def divisor_masks(self, y, y_pred) -> list:
+    def divisor_masks(self, y, y_pred, form=None) -> list:
         """Per flat output, what Keras divides its loss by: its mask, and'ed with
         the elements its loss does not ignore; None where it counts samples."""
         masks = output_masks(y_pred) if y_pred is not None else []
-        ignored = (self.form or LossForm()).ignore_classes
+        ignored = (form or self.form or LossForm()).ignore_classes
         if not ignored:
             return masks
         targets = _flat_targets(y, len(ignored))
@@ -125,7 +132,20 @@ class LossSplit:
             # A user's own loss: exact when it averages over samples.
             loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
-        masks = self.divisor_masks(y, y_pred)
+        if _keras.LEGACY:
+            # tf_keras's container adds the terms, per sample of the micro-batch.
+            terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
+            return self._compiled_share(y, y_pred, sample_weight, share, valid, terms)
+        loss = self._compiled_share(y, y_pred, sample_weight, share, valid)
+        for index, term in enumerate(model.losses):
+            term = _keras.additional_loss(model, term)
+            loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
+        return loss
+
+    def _compiled_share(self, y, y_pred, sample_weight, share, valid, terms=(), form=None):
+        """The compiled loss of a micro-batch's outputs, its share of the batch's
+        (see the module docstring), with `terms` on tf_keras."""
+        masks = self.divisor_masks(y, y_pred, form)
         if _keras.LEGACY:
             # Per sample of the micro-batch (see the module docstring).
             shares = [
@@ -133,19 +153,38 @@ class LossSplit:
                 for i, mask in enumerate(masks)
             ]
             weights = _output_weights(y_pred, sample_weight, shares, masks)
-            terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
-            loss = _keras.compiled_loss(model, y, y_pred, weights, terms)
+            loss = _keras.compiled_loss(self.model, y, y_pred, weights, list(terms))
             return loss * tf.cast(share, loss.dtype)
         shares = [
             _masked_share(mask, valid, i) if mask is not None else share
             for i, mask in enumerate(masks)
         ]
         weights = _output_weights(y_pred, sample_weight, shares, masks)
-        loss = _keras.compiled_loss(model, y, y_pred, weights, [])
-        for index, term in enumerate(model.losses):
-            term = _keras.additional_loss(model, term)
-            loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
-        return loss
+        return _keras.compiled_loss(self.model, y, y_pred, weights, [])
+
+    def _one_at_a_time(self, form, x, y, y_pred):
+        """`(loss, magnitude)`: the loss of a few samples' outputs as micro-batches of
+        one sample add it up (with the shares `form` gives), and the sum of the
+        parts' absolute values (`loss_check.check`'s `split`)."""
+        count = _loop.static_batch_size(y_pred)
+        if not count:
+            nan = tf.constant(float("nan"), tf.float64)
+            return nan, nan
+        valid = _counts(self.divisor_masks(y, y_pred, form))
+        parts = []
+        # Keras 3 squeezes the loss of one sample with a scalar weight to a scalar,
+        # which its reduction then leaves unscaled for the replicas: a weight per sample.
+        ones = tf.ones([1], _keras.keras.backend.floatx())
+        for index in range(count):
+            one = [sample(data, index) for data in (x, y, y_pred)]
+            if overrides(self.model, "compute_loss"):
+                loss = _keras.compute_loss(self.model, *one, None, training=False)
+                parts.append(loss * tf.cast(1 / count, loss.dtype))
+            else:
+                share = _loop.share_of(1, count)
+                parts.append(self._compiled_share(*one[1:], ones, share, valid, form=form))
+        parts = [tf.cast(p, tf.float64) for p in parts]
+        return tf.add_n(parts), tf.add_n([tf.abs(p) for p in parts])
 
     def penalty(self, share) -> tf.Tensor:
         """The terms of `model.losses` of the last call, each with its share, summed
