@@ -7,6 +7,8 @@ uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8).
 """
 
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -304,6 +306,24 @@ def test_a_per_sample_dice_loss_needs_no_option():
         _segmenter(AccumulatingModel, micro_batch_size=8), keras.losses.Dice(axis=(1, 2, 3))
     )
     _assert_same(expected, received)
+
+
+def test_a_loss_function_that_ignores_a_class_itself_is_refused_and_exact_with_the_option():
+    """Keras divides such a loss by the elements its values' mask keeps, which only
+    the loss's own `ignore_class` setting says before the loop: a plain function
+    that ignores a class is caught by the parts check, not trained to other weights."""
+    keep = CASES["tagger-ignore-class-sgd"]
+    usual = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+
+    def ignoring(y_true, y_pred):
+        return usual.call(y_true, y_pred)
+
+    case = dataclasses.replace(keep, compile=lambda: dict(loss=ignoring, metrics=["accuracy"]))
+    refused = "weighted by its share, as (micro-batches add|a micro-batch adds) it up"
+    with pytest.raises(ValueError, match=refused):
+        _train(case, AccumulatingModel, **case.micro)
+    received = _train(case, AccumulatingModel, whole_batch_loss=True, **case.micro)
+    assert_same_training(_train(case, keras.Model), received)
 
 
 def test_custom_step_with_a_forward_function():

@@ -15,7 +15,10 @@ repeated (`x2 + x2`), in inference mode and with no state left changed:
   A ratio of the batch's sums (a Dice or Tversky loss) keeps its value on
   repeated samples, so the same outputs are also evaluated one sample at a
   time, each weighted by its share as the micro-batches are (`split`): a
-  mean of per-sample terms gives the batch's loss, a ratio of sums does not;
+  mean of per-sample terms gives the batch's loss, a ratio of sums does not.
+  Each sample's part is also compared with the batch's loss weighted one on
+  that sample and zero elsewhere, which differ when Keras divides by a count
+  the shares do not know (a loss function that ignores a class itself);
 - each term of `model.losses` (`add_loss`, activity and weight
   regularisers) comes from its own forward pass: `MEAN` when it keeps its
   value on the repeated samples (or does not depend on them), `SUM` when it
@@ -80,10 +83,11 @@ def has_compiled_loss(model) -> bool:
 def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     """Classifies the loss on the first batch; raises for what cannot be split.
 
-    `split(form, x, y, y_pred)`, where given, is `(loss, magnitude)`: the loss
-    of a few samples' outputs `y_pred` as micro-batches of one sample add it
-    up with the shares `form` gives, and the sum of their parts' absolute
-    values (`keras_memopt._step.losses.LossSplit`).
+    `split(form, x, y, y_pred)`, where given, is `(parts, magnitude, own,
+    alone)`: the loss of a few samples' outputs `y_pred` as micro-batches of one
+    sample add it up with the shares `form` gives, the sum of the parts'
+    absolute values, and for one sample the outputs' loss weighted one on it and
+    zero elsewhere and its part (`keras_memopt._step.losses.LossSplit`).
 
     Raises:
         ValueError: for a loss of the outputs that does not average over
@@ -120,8 +124,11 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     if not whole_batch_loss and not np.isnan(once[0]):
         if kind_of(once[0], once[1]) != MEAN:
             raise ValueError(_coupled_message(model, what_changed(once[0], once[1])))
-        if not adds_up(once[0], *once[2:5]):
-            raise ValueError(_coupled_message(model, what_split(once[0], once[2])))
+        parts, magnitude, own, alone, rtol = once[2:7]
+        if not adds_up(once[0], parts, magnitude, rtol):
+            raise ValueError(_coupled_message(model, what_split(once[0], parts)))
+        if not adds_up(own, alone, magnitude, rtol):
+            raise ValueError(_coupled_message(model, what_split(own, alone, alone=True)))
     terms = []
     probes = zip(_terms(once), _terms(again), _terms(doubled), strict=True)
     for index, (a, b, c) in enumerate(probes):
@@ -162,8 +169,8 @@ _NEGLIGIBLE = 1e-6
 
 def _terms(values):
     """`(value, gradient norm)` of each term of `model.losses` in a probe's values."""
-    count = (len(values) - 6) // 2
-    return list(zip(values[5 : 5 + count], values[5 + count : -1], strict=True))
+    count = (len(values) - 8) // 2
+    return list(zip(values[7 : 7 + count], values[7 + count : -1], strict=True))
 
 
 def _term_kind(once, again, doubled):
@@ -193,10 +200,10 @@ def _probe(model, data, classes, split):
 
 
 def _evaluate(model, x, y, classes, split):
-    """[loss of the outputs, the same on them repeated (NaN: none), the same one
-    sample at a time, its parts' magnitude and the relative tolerance of the
-    loss's float type (`split`; NaN: none), each term of `model.losses`, each
-    term's gradient norm, 1 if an output carries a mask] on one batch."""
+    """[loss of the outputs, the same on them repeated (NaN: none), what `split`
+    gives and the relative tolerance of the loss's float type (NaN: none), each
+    term of `model.losses`, each term's gradient norm, 1 if an output carries a
+    mask] on one batch."""
     variables = model.trainable_variables
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
@@ -204,7 +211,7 @@ def _evaluate(model, x, y, classes, split):
     norms = [_norm(tape.gradient(term, variables)) for term in terms]
     del tape
     once = twice = nan = tf.constant(float("nan"))
-    parts = (nan, nan, nan)
+    parts = (nan,) * 5
     if overrides(model, "compute_loss"):
         once = _keras.compute_loss(model, x, y, y_pred, None, training=False)
         twice = _keras.compute_loss(
@@ -318,14 +325,19 @@ def kind_of(once, twice, spread=0.0):
 
 
 def adds_up(whole, parts, magnitude, rtol=_PROBE_RTOL) -> bool:
-    """Whether the parts' loss `parts` is the batch's `whole` (NaN `parts`: not
+    """Whether the parts' loss `parts` is the batch's `whole` (either NaN: not
     evaluated), within float rounding of the parts' `magnitude`."""
-    if np.isnan(parts):
+    if np.isnan(parts) or np.isnan(whole):
         return True
     return abs(parts - whole) <= rtol * max(abs(whole), abs(magnitude), 1e-12)
 
 
-def what_split(whole, parts):
+def what_split(whole, parts, alone=False):
+    if alone:
+        return (
+            f"was {whole:.6g} on two samples with sample weights 1 and 0 but {parts:.6g} "
+            "on the first of them alone weighted by its share, as a micro-batch adds it up"
+        )
     return (
         f"was {whole:.6g} on two samples but {parts:.6g} as the sum of each sample's "
         "loss weighted by its share, as micro-batches add it up"

@@ -163,28 +163,56 @@ class LossSplit:
         return _keras.compiled_loss(self.model, y, y_pred, weights, [])
 
     def _one_at_a_time(self, form, x, y, y_pred):
-        """`(loss, magnitude)`: the loss of a few samples' outputs as micro-batches of
-        one sample add it up (with the shares `form` gives), and the sum of the
-        parts' absolute values (`loss_check.check`'s `split`)."""
+        """What `loss_check.check` compares (its `split`), on a few samples' outputs:
+
+        `(parts, magnitude, own, alone)`: the loss as micro-batches of one
+        sample add it up (with the shares `form` gives) and the sum of the
+        parts' absolute values; and for the sample whose part differs most, the
+        batch's loss with a sample weight of one on it and zero elsewhere
+        (`own`, NaN for an overridden `compute_loss`) and its part (`alone`).
+        """
         count = _loop.static_batch_size(y_pred)
+        nan = tf.constant(float("nan"), tf.float64)
         if not count:
-            nan = tf.constant(float("nan"), tf.float64)
-            return nan, nan
+            return nan, nan, nan, nan
         valid = _counts(self.divisor_masks(y, y_pred, form))
-        parts = []
+        floatx = _keras.keras.backend.floatx()
         # Keras 3 squeezes the loss of one sample with a scalar weight to a scalar,
         # which its reduction then leaves unscaled for the replicas: a weight per sample.
-        ones = tf.ones([1], _keras.keras.backend.floatx())
+        ones = tf.ones([1], floatx)
+        parts, own = [], []
         for index in range(count):
             one = [sample(data, index) for data in (x, y, y_pred)]
             if overrides(self.model, "compute_loss"):
                 loss = _keras.compute_loss(self.model, *one, None, training=False)
                 parts.append(loss * tf.cast(1 / count, loss.dtype))
-            else:
-                share = _loop.share_of(1, count)
-                parts.append(self._compiled_share(*one[1:], ones, share, valid, form=form))
-        parts = [tf.cast(p, tf.float64) for p in parts]
-        return tf.add_n(parts), tf.add_n([tf.abs(p) for p in parts])
+                own.append(nan)
+                continue
+            share = _loop.share_of(1, count)
+            parts.append(self._compiled_share(*one[1:], ones, share, valid, form=form))
+            own.append(self._weighted_on(index, count, y, y_pred))
+        parts, own = (tf.stack([tf.cast(v, tf.float64) for v in vs]) for vs in (parts, own))
+        worst = tf.argmax(tf.where(tf.math.is_nan(own), 0.0, tf.abs(own - parts)))
+        return tf.reduce_sum(parts), tf.reduce_sum(tf.abs(parts)), own[worst], parts[worst]
+
+    def _weighted_on(self, index, count, y, y_pred):
+        """The outputs' compiled loss with sample weights one on sample `index` and
+        zero elsewhere, per output in its loss values' usual shape (the output's
+        without its last axis); NaN for a loss that takes no such weights."""
+        floatx = _keras.keras.backend.floatx()
+
+        def weights(output):
+            shape = tf.shape(output)[:-1] if output.shape.rank > 1 else tf.shape(output)
+            one = tf.one_hot(index, count, dtype=floatx)
+            one = tf.reshape(one, [count] + [1] * (output.shape.rank - 2))
+            return tf.broadcast_to(one, shape)
+
+        try:
+            return _keras.compiled_loss(
+                self.model, y, y_pred, tf.nest.map_structure(weights, y_pred), []
+            )
+        except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+            return tf.constant(float("nan"), tf.float64)
 
     def penalty(self, share) -> tf.Tensor:
         """The terms of `model.losses` of the last call, each with its share, summed
