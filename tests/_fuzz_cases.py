@@ -113,6 +113,9 @@ class Spec:
     # A second `fit` (one epoch more, `initial_epoch`) at a batch two samples
     # larger, the `AccumulatingModel`'s split changed in between.
     refit: bool = False
+    # Per head, another of Keras's losses for its kind (`_loss_choices`; None or
+    # "usual": the kind's usual cross-entropy or mean squared error).
+    losses: tuple | None = None
 
     def describe(self):
         parts = [
@@ -136,6 +139,8 @@ class Spec:
             parts.append(f"add_loss={self.add_loss}")
         if self.sample_weight:
             parts.append(f"sample_weight={self.sample_weight}")
+        if self.losses:
+            parts.append("losses=" + ",".join(self.losses))
         options = ",".join(f"{k}={v}" for k, v in self.optimizer_options)
         schedule = f"+{self.schedule}" if self.schedule else ""
         parts.append(f"{self.optimizer}({options}){schedule}")
@@ -159,6 +164,27 @@ def _draw_head(r, family):
     ignore_class = 0 if kind == "sparse" and per_token and r.random() < 0.5 else None
     smoothing = 0.1 if kind in ("categorical", "binary") and r.random() < 0.3 else 0.0
     return Head(kind, activation, from_logits, r.random() < 0.3, ignore_class, smoothing)
+
+
+def _loss_choices(head, spec):
+    """The other losses a head of its kind can train with (`_loss` makes them):
+    "string" is the usual loss by its name (which reads probabilities),
+    "function" a plain function of `(y_true, y_pred)` that calls Keras's."""
+    probabilities = head.activation is not None and not head.from_logits
+    named = ["string"] if probabilities else []
+    if head.kind == "sparse":
+        # A function that ignores a class itself is refused (Keras divides it by
+        # the elements not ignored, which only the loss's own setting tells).
+        return [*named, *([] if head.ignore_class is not None else ["function"])] or ["usual"]
+    if head.kind == "categorical":
+        divergences = ["kl_divergence", "poisson"] if probabilities else []
+        return [*named, *divergences, "function", "focal", "categorical_hinge", "cosine"]
+    if head.kind == "binary":
+        # A ratio of the batch's sums: only with the loss of the whole batch.
+        coupled = ["dice"] if spec.whole_batch_loss and probabilities else []
+        return [*named, *coupled, "function", "focal", "hinge", "squared_hinge"]
+    return ["string", "function", "mean_absolute_error", "huber", "log_cosh",
+            "mean_squared_logarithmic_error"]
 
 
 def _draw_optimizer(r):
@@ -249,6 +275,9 @@ def draw(seed: int) -> Spec:
     if not LEGACY and r.random() < 0.1 and not spec.mirrored:
         options = (*spec.optimizer_options, ("gradient_accumulation_steps", 2))
         spec = dataclasses.replace(spec, optimizer_options=tuple(sorted(options)))
+    if r.random() < 0.3:
+        losses = tuple(r.choice(_loss_choices(head, spec)) for head in spec.heads)
+        spec = dataclasses.replace(spec, losses=losses)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -572,7 +601,38 @@ def make_data(spec):
 # -- compiling and training ----------------------------------------------------------
 
 
-def _loss(head):
+def _loss(head, name=None):
+    if name in (None, "usual"):
+        return _usual_loss(head)
+    if name == "string":
+        return {"sparse": "sparse_categorical_crossentropy", "binary": "binary_crossentropy",
+                "categorical": "categorical_crossentropy"}.get(head.kind, "mse")
+    if name == "function":
+        usual = _usual_loss(head)
+        return lambda y_true, y_pred: usual.call(y_true, y_pred)  # per sample, unreduced
+    if name == "focal":
+        kind = "Binary" if head.kind == "binary" else "Categorical"
+        return getattr(keras.losses, f"{kind}FocalCrossentropy")(
+            gamma=2.0, from_logits=head.from_logits
+        )
+    if name == "dice":
+        return keras.losses.Dice() if not LEGACY else soft_dice
+    if name == "huber":
+        return keras.losses.Huber(delta=0.5)
+    classes = {"cosine": "CosineSimilarity", "log_cosh": "LogCosh", "hinge": "Hinge",
+               "kl_divergence": "KLDivergence", "mean_squared_logarithmic_error":
+               "MeanSquaredLogarithmicError", "mean_absolute_error": "MeanAbsoluteError"}
+    return getattr(keras.losses, classes.get(name) or name.title().replace("_", ""))()
+
+
+def soft_dice(y_true, y_pred):
+    """A Dice loss as tf_keras users write it: one ratio of the batch's sums."""
+    y_true = tf.cast(y_true, y_pred.dtype)
+    overlap = tf.reduce_sum(y_true * y_pred)
+    return 1.0 - 2.0 * overlap / (tf.reduce_sum(y_true) + tf.reduce_sum(y_pred) + 1e-6)
+
+
+def _usual_loss(head):
     if head.kind == "sparse":
         kwargs = {} if head.ignore_class is None else dict(ignore_class=head.ignore_class)
         return keras.losses.SparseCategoricalCrossentropy(from_logits=head.from_logits, **kwargs)
@@ -618,7 +678,8 @@ def make_optimizer(spec):
 
 def compile_kwargs(spec):
     names = output_names(spec)
-    losses = [_loss(h) for h in spec.heads]
+    names_of_losses = spec.losses or (None,) * len(spec.heads)
+    losses = [_loss(h, name) for h, name in zip(spec.heads, names_of_losses, strict=True)]
     metrics = [_metrics(h, spec.metrics) for h in spec.heads]
     weighted = [m[:1] for m in metrics]  # the accuracy or MAE, weighted
     if spec.outputs == "one":
