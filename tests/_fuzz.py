@@ -60,6 +60,7 @@ from _fuzz_cases import (  # noqa: E402
     build_model,
     compile_kwargs,
     draw,
+    fit_callbacks,
     make_data,
     make_optimizer,
 )
@@ -122,7 +123,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     if not accumulating:
         optimizer = dense_gradients(optimizer)
     model.compile(optimizer=optimizer, **compile_kwargs(spec))
-    callbacks, fault = [], None
+    callbacks, fault = fit_callbacks(spec), None
     if spec.lr_callback:
         callbacks.append(keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5))
     if accumulating and spec.oom_at:

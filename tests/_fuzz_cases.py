@@ -116,6 +116,10 @@ class Spec:
     # Per head, another of Keras's losses for its kind (`_loss_choices`; None or
     # "usual": the kind's usual cross-entropy or mean squared error).
     losses: tuple | None = None
+    # tf_keras: the heads wrapped for magnitude pruning (tfmot's
+    # `prune_low_magnitude`, 0 to 50% sparsity over three updates), trained
+    # with `UpdatePruningStep`; the oracle is plain tfmot pruning.
+    pruned: bool = False
 
     def describe(self):
         parts = [
@@ -127,7 +131,8 @@ class Spec:
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
-                 "remat", "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit")
+                 "remat", "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
+                 "pruned")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -278,6 +283,10 @@ def draw(seed: int) -> Spec:
     if r.random() < 0.3:
         losses = tuple(r.choice(_loss_choices(head, spec)) for head in spec.heads)
         spec = dataclasses.replace(spec, losses=losses)
+    # A pruned model is refused with `whole_batch_loss` (each micro-batch would run
+    # its wrappers' updates twice) and under a strategy (tfmot's own limits).
+    if LEGACY and not spec.whole_batch_loss and not mirrored and r.random() < 0.25:
+        spec = dataclasses.replace(spec, pruned=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -387,12 +396,30 @@ def _head_layer(spec, head, index):
     )
 
 
+def _pruned(layer):
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    schedule = sparsity.PolynomialDecay(0.0, 0.5, begin_step=0, end_step=3, frequency=1)
+    return sparsity.prune_low_magnitude(layer, pruning_schedule=schedule)
+
+
+def fit_callbacks(spec) -> list:
+    """The callbacks both runs train with (`UpdatePruningStep` for a pruned case)."""
+    if not spec.pruned:
+        return []
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    return [sparsity.UpdatePruningStep()]
+
+
 def output_names(spec):
     return ["first", "second"][: len(spec.heads)]
 
 
 def make_layers(spec):
     heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
+    if spec.pruned:
+        heads = [_pruned(head) for head in heads]
     parts = {"trunk": _trunk(spec), "heads": heads}
     if spec.frozen is not None:
         parts["trunk"][min(spec.frozen, len(parts["trunk"]) - 1)].trainable = False

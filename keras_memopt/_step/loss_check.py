@@ -335,8 +335,8 @@ def adds_up(whole, parts, magnitude, rtol=_PROBE_RTOL) -> bool:
 def what_split(whole, parts, alone=False):
     if alone:
         return (
-            f"was {whole:.6g} on two samples with sample weights 1 and 0 but {parts:.6g} "
-            "on the first of them alone weighted by its share, as a micro-batch adds it up"
+            f"was {whole:.6g} on two samples weighted 1 on one and 0 on the other but "
+            f"{parts:.6g} on that one alone weighted by its share, as a micro-batch adds it up"
         )
     return (
         f"was {whole:.6g} on two samples but {parts:.6g} as the sum of each sample's "
