@@ -281,7 +281,9 @@ def draw(seed: int) -> Spec:
         options = (*spec.optimizer_options, ("gradient_accumulation_steps", 2))
         spec = dataclasses.replace(spec, optimizer_options=tuple(sorted(options)))
     if r.random() < 0.3:
-        losses = tuple(r.choice(_loss_choices(head, spec)) for head in spec.heads)
+        # A second output may train with no loss (its metrics only).
+        losses = tuple(r.choice(_loss_choices(head, spec) + ["none"] * index)
+                       for index, head in enumerate(spec.heads))
         spec = dataclasses.replace(spec, losses=losses)
     # A pruned model is refused with `whole_batch_loss` (each micro-batch would run
     # its wrappers' updates twice) and under a strategy (tfmot's own limits).
@@ -631,6 +633,8 @@ def make_data(spec):
 def _loss(head, name=None):
     if name in (None, "usual"):
         return _usual_loss(head)
+    if name == "none":
+        return None
     if name == "string":
         return {"sparse": "sparse_categorical_crossentropy", "binary": "binary_crossentropy",
                 "categorical": "categorical_crossentropy"}.get(head.kind, "mse")
