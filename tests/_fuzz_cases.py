@@ -286,8 +286,11 @@ def draw(seed: int) -> Spec:
                        for index, head in enumerate(spec.heads))
         spec = dataclasses.replace(spec, losses=losses)
     # A pruned model is refused with `whole_batch_loss` (each micro-batch would run
-    # its wrappers' updates twice) and under a strategy (tfmot's own limits).
-    if LEGACY and not spec.whole_batch_loss and not mirrored and r.random() < 0.25:
+    # its wrappers' updates twice) and under a strategy (tfmot's own limits);
+    # tfmot's wrapper hands a masked tagger's mask to `Dense.call`, which takes none.
+    masked_heads = spec.family == "tagger" and spec.mask_zero
+    prunable = LEGACY and not (spec.whole_batch_loss or mirrored or masked_heads)
+    if prunable and r.random() < 0.25:
         spec = dataclasses.replace(spec, pruned=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
