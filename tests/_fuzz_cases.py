@@ -285,8 +285,8 @@ def draw(seed: int) -> Spec:
         losses = tuple(r.choice(_loss_choices(head, spec) + ["none"] * index)
                        for index, head in enumerate(spec.heads))
         spec = dataclasses.replace(spec, losses=losses)
-    # A pruned model is refused with `whole_batch_loss` (each micro-batch would run
-    # its wrappers' updates twice) and under a strategy (tfmot's own limits);
+    # The package refuses a pruned model with `whole_batch_loss` (each micro-batch
+    # would run its wrappers' updates twice) and under a strategy (its own tests);
     # tfmot's wrapper hands a masked tagger's mask to `Dense.call`, which takes none.
     masked_heads = spec.family == "tagger" and spec.mask_zero
     prunable = LEGACY and not (spec.whole_batch_loss or mirrored or masked_heads)
