@@ -453,3 +453,18 @@ class TestWarning:
             return model, history.history
 
         _assert_same(build(keras.Model), build(AccumulatingModel, **MICRO))
+
+    @pytest.mark.skipif(LEGACY, reason="Keras 3's compute_loss signature")
+    def test_a_compute_loss_that_broadcasts_over_pairs_of_samples_is_refused(self):
+        # Targets of shape (batch,) against outputs (batch, 1): every pair of samples.
+        class Broadcast(AccumulatingModel):
+            def compute_loss(self, x, y, y_pred, sample_weight=None, training=True):
+                return tf.reduce_mean(tf.square(y_pred - y))
+
+        inputs = keras.Input((6,))
+        model = Broadcast(inputs, layers.Dense(1)(inputs), micro_batch_size=4)
+        model.compile("sgd")
+        rng = np.random.RandomState(0)
+        with pytest.raises(ValueError, match=r"`compute_loss` is not.*weighted by its share"):
+            model.fit(rng.normal(size=(16, 6)), rng.normal(size=16), batch_size=16, verbose=0)
+        assert int(model.optimizer.iterations) == 0
