@@ -36,6 +36,7 @@ from keras_memopt._step.loss_check import (
     kind_of,
     repeat,
     sample,
+    tolerance,
     what_changed,
     what_split,
 )
@@ -47,7 +48,7 @@ _CHECKED_CUSTOM_LOSSES: set[type] = set()
 class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the step
     """Ends the probe run of a custom step where it first splits its batch.
 
-    `values`: the loss values to compare, or None; `error`: the model's own
+    `values`: `(relative tolerance, the loss values to compare)`, or None; `error`: the model's own
     loss check's refusal, raised once the probe's state is put back.
     """
 
@@ -133,13 +134,14 @@ class CustomSteps:
             raise error
         if values is None:
             return
-        once, again, twice, *alone = values
+        rtol, (once, again, twice, *alone) = values
         if abs(again - once) > 1e-6 * max(abs(once), 1e-12):
             return  # random draws: not checked
         changed = what_changed(once, twice) if kind_of(once, twice) != MEAN else None
-        parts = np.mean(alone) if alone else float("nan")
-        if changed is None and not adds_up(once, parts, np.mean(np.abs(alone or [0.0]))):
-            changed = what_split(once, parts)
+        if changed is None and alone:
+            parts = float(np.mean(alone))
+            if not adds_up(once, parts, float(np.mean(np.abs(alone))), rtol):
+                changed = what_split(once, parts)
         if changed is not None:
             _warn_at(
                 cls.train_step,
@@ -166,8 +168,9 @@ class CustomSteps:
             raise _Probed(None)  # a loss of the whole batch: nothing to check
         count = _loop.static_batch_size(data) or 0
         alone = [sample(data, index) for index in range(count)] if count > 1 else []
-        values = [float(loss_fn(part)) for part in (data, data, repeat(data), *alone)]
-        raise _Probed(values)
+        losses = [loss_fn(part) for part in (data, data, repeat(data), *alone)]
+        dtype = getattr(losses[0], "dtype", tf.float32)
+        raise _Probed((tolerance(dtype), [float(loss) for loss in losses]))
 
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.

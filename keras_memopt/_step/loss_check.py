@@ -223,9 +223,7 @@ def _evaluate(model, x, y, classes, split):
         twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
     masked = any(_keras.get_mask(t) is not None for t in tf.nest.flatten(y_pred))
     if split is not None and once is not nan:
-        # Mixed precision's float16 losses round each sample's part on its own.
-        rtol = max(_PROBE_RTOL, 4 * _EPSILONS.get(tf.as_dtype(once.dtype), 0.0))
-        parts = (*split(LossForm((), classes, masked), x, y, y_pred), rtol)
+        parts = (*split(LossForm((), classes, masked), x, y, y_pred), tolerance(once.dtype))
     values = [once, twice, *parts, *terms, *norms]
     return tf.stack([*(tf.cast(v, tf.float32) for v in values), tf.constant(float(masked))])
 
@@ -323,6 +321,12 @@ def kind_of(once, twice, spread=0.0):
     if to_sum <= tolerance:
         return SUM
     return None
+
+
+def tolerance(dtype) -> float:
+    """The relative tolerance of `adds_up` for a loss of `dtype`: mixed precision's
+    float16 and bfloat16 losses round each sample's part on its own."""
+    return max(_PROBE_RTOL, 4 * _EPSILONS.get(tf.as_dtype(dtype), 0.0))
 
 
 def adds_up(whole, parts, magnitude, rtol=_PROBE_RTOL) -> bool:
