@@ -5,21 +5,23 @@ LayerNormalization stacks, Conv1D/Conv2D with pooling, Embedding with and
 without `mask_zero` into pooling, GRU, LSTM or MultiHeadAttention, per-token
 taggers, two inputs, one output or two as a dict or a list), how it is made
 (functional, Sequential, subclassed, `from_model`), its heads (logits, or a
-softmax or sigmoid activation with either `from_logits`, confident or not),
-its loss and the loss's options (per-sample, per-token and per-output sample
-weights as dict and list, `class_weight`, `loss_weights`, `ignore_class`,
-label smoothing, masks, `add_loss`, kernel and activity regularisers), an
-optimizer of `keras.optimizers` with clipping, a schedule or EMA, a batch and a
-micro-batch size with uneven last ones, `steps_per_execution`, sometimes
-`jit_compile`, and sometimes recomputation (`remat=` a cut after every layer
-that separates the graph, or in a subclassed model `Remat` around every layer of
-its trunk), an out-of-memory error at the n-th run of a layer before the heads
-with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain Keras runs no
-fault), `MirroredStrategy` over two logical CPUs for both runs, validation
-data in `fit`, batches from a `tf.data.Dataset`, a frozen trunk layer, a
-`LearningRateScheduler` callback, more metrics (AUC, cross-entropy, RMSE) and
-`weighted_metrics`, a second `fit` at another batch size and split, and on Keras 3
-the optimizer's own `gradient_accumulation_steps`.
+softmax or sigmoid activation with either `from_logits`, confident or not), its
+loss and the loss's options (per-sample, per-token and per-output sample weights
+as dict and list, `class_weight`, `loss_weights`, `ignore_class`, label
+smoothing, masks, `add_loss`, kernel and activity regularisers), an optimizer of
+`keras.optimizers` with clipping, a schedule or EMA, a batch and a micro-batch
+size with uneven last ones, `steps_per_execution`, sometimes `jit_compile`, and
+sometimes recomputation (`remat=` a cut after every layer that separates the
+graph, or in a subclassed model `Remat` around every layer of its trunk, or
+`remat="auto"`'s own choice), an out-of-memory error at the n-th run of a layer
+before the heads with `OOMBackoff` attached (`_faults.OutOfMemoryOnce`; plain
+Keras runs no fault), `MirroredStrategy` over two logical CPUs for both runs,
+validation data in `fit`, batches from a `tf.data.Dataset`, a frozen trunk
+layer, a `LearningRateScheduler` callback, more metrics (AUC, cross-entropy,
+RMSE) and `weighted_metrics`, a second `fit` at another batch size and split,
+per head another of Keras's losses for its kind (or none on a second output), on
+Keras 3 the optimizer's own `gradient_accumulation_steps`, and on tf_keras the
+heads pruned by tfmot's `prune_low_magnitude`.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -101,6 +103,7 @@ class Run:
     evaluation: dict
     predictions: list
     raised: int = 0  # the out-of-memory errors its fault layer raised (and it backed off from)
+    segments: int = 0  # the segments it recomputed
 
 
 def _first_rows(x, count=2):
@@ -167,6 +170,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         evaluation=dict(evaluation),
         predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
         raised=fault.raised if fault is not None else 0,
+        segments=len(getattr(model, "recomputed_segments", ())),
     )
 
 
@@ -254,6 +258,7 @@ class Result:
     seconds: float = 0.0
     invalid: str | None = None  # what plain Keras raised: a case the generator should not draw
     raised: int = 0  # out-of-memory errors injected in the AccumulatingModel's run
+    segments: int = 0  # the segments the AccumulatingModel's run recomputed
 
     @property
     def passed(self):
@@ -264,6 +269,8 @@ class Result:
         detail = f"worst={self.worst:.1e}"
         if self.spec.oom_at:
             detail += f" backed off {self.raised}x"
+        if self.spec.remat:
+            detail += f" recomputed {self.segments} segment(s)"
         if self.invalid:
             detail = f"plain Keras raised {self.invalid}"
         elif self.error:
@@ -307,7 +314,8 @@ def run(spec: Spec, strategy=None) -> Result:
     failures = {k: v for k, v in errors.items() if not v <= RTOL}
     worst = max(errors.values(), default=0.0)
     seconds = time.perf_counter() - started
-    return Result(spec, worst, failures, None, seconds, raised=received.raised)
+    return Result(spec, worst, failures, None, seconds, raised=received.raised,
+                  segments=received.segments)
 
 
 def _summary(error):

@@ -90,9 +90,10 @@ class Spec:
     whole_batch_loss: bool
     steps_per_execution: int
     jit_compile: bool
-    # Recomputation: a segment after every layer that separates the graph, or
-    # in a subclassed model a `keras_memopt.Remat` around every trunk layer.
-    remat: bool = False
+    # Recomputation: "each", a segment after every layer that separates the
+    # graph, or in a subclassed model a `keras_memopt.Remat` around every trunk
+    # layer; "auto", `remat="auto"`'s own choice (functional graphs).
+    remat: str | None = None
     # An out-of-memory error at the fault layer's `oom_at`-th run on more than one
     # row (before the heads), with `OOMBackoff` attached: the AccumulatingModel's
     # run backs off and retries wherever it falls (plain Keras runs no fault).
@@ -130,8 +131,10 @@ class Spec:
             parts.append(f"mask_zero={self.mask_zero}")
         if self.family in ("recurrent", "tagger"):
             parts.append(self.recurrent)
+        if self.remat:
+            parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
-                 "remat", "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
+                 "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
                  "pruned")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
@@ -270,7 +273,7 @@ def draw(seed: int) -> Spec:
     # Drawn last, so that the cases drawn before it stay as they were. A
     # layer with an activity regulariser is refused in a recomputed segment
     # or `Remat` (their own tests).
-    remat = not spec.regularize and r.random() < 0.3
+    remat = "each" if not spec.regularize and r.random() < 0.3 else None
     # XLA compiles no `tf.py_function`, which the fault layer runs; a
     # micro-batch of one sample has nothing to back off to.
     faulty = not spec.jit_compile and split != (("micro_batch_size", 1),)
@@ -305,6 +308,10 @@ def draw(seed: int) -> Spec:
     prunable = LEGACY and not (spec.whole_batch_loss or mirrored or masked_heads)
     if prunable and r.random() < 0.25:
         spec = dataclasses.replace(spec, pruned=True)
+    # `remat="auto"` chooses from the traced step of a functional graph (a
+    # layer with an activity regulariser is refused in a segment, as above).
+    if spec.build != "subclassed" and not spec.regularize and r.random() < 0.25:
+        spec = dataclasses.replace(spec, remat="auto")
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -555,7 +562,9 @@ def _recomputing(model, spec):
     """`model` with a recomputed segment after every layer that separates its graph
     (the package's own reading of the graph: which cuts exist is not the oracle's
     business, what training with them computes is)."""
-    if spec.remat:
+    if spec.remat == "auto":
+        model.remat = "auto"
+    elif spec.remat:
         from keras_memopt._remat.graph import Graph
 
         graph = Graph(model)

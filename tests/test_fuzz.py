@@ -121,17 +121,17 @@ FOUND = {
     # Keras 3's `NotEqual` node of `mask_zero` raised an AttributeError in the plan.
     "recomputed-segments-after-a-masked-embedding": case(
         family="tagger", mask_zero=True, recurrent="SimpleRNN", sample_weight="token",
-        remat=True,
+        remat="each",
     ),
     # A sparse input into a recomputed segment: a ValueError from `tf.custom_gradient`.
     "recomputed-segment-from-a-sparse-input": case(
-        family="sparse", outputs="list", heads=TWO, loss_weights=True, remat=True,
+        family="sparse", outputs="list", heads=TWO, loss_weights=True, remat="each",
     ),
     # A layer's `add_loss` in a recomputed segment got no gradient (trained silently
     # wrong: 0.31 from plain Keras). It is refused now (test_remat's bad input);
     # segments that end before it train as plain Keras.
     "recomputed-segments-before-an-add-loss-layer": case(
-        family="attention", outputs="dict", heads=TWO, add_loss="mean", remat=True,
+        family="attention", outputs="dict", heads=TWO, add_loss="mean", remat="each",
     ),
     # `global_clipnorm` on tf_keras under `MirroredStrategy`: its all-reduce concatenates
     # the replicas' Embedding rows and it clips before summing repeated rows, so the norm
