@@ -788,6 +788,38 @@ class TestBadInput:
             np.testing.assert_array_equal(old, new)
         assert int(model.optimizer.iterations.numpy()) == 0
 
+    def test_auto_ends_its_segments_before_a_layer_that_adds_a_loss(self):
+        # `remat="auto"` chose segments through such a layer, which the step then
+        # refused: the choice must leave it (and what follows) to the last segment.
+        class Penalty(layers.Layer):
+            def call(self, x):
+                self.add_loss(1e-2 * tf.reduce_mean(tf.square(x)))
+                return x
+
+        def chain(remat, prefix=""):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((64,))
+            x = inputs
+            for index in range(12):
+                x = layers.Dense(64, activation="relu", name=f"{prefix}dense_{index}")(x)
+                if index == 7:
+                    x = Penalty(name=f"{prefix}penalty")(x)
+            # 4096 samples: 1 MiB of activations a layer against 16 KiB of weights.
+            return AccumulatingModel(inputs, layers.Dense(2)(x), micro_batch_size=4096,
+                                     remat=remat)
+
+        model = chain("auto")
+        names = [name for segment in model.recomputed_segments for name in segment]
+        assert names and "penalty" not in names, model.recomputed_segments
+        assert "dense_8" not in names, model.recomputed_segments
+        plain = chain(None, prefix="plain_")
+        x, y = np.random.RandomState(0).rand(16, 64), np.random.RandomState(1).rand(16, 2)
+        for m in (plain, model):
+            m.micro_batch_size = 4
+            m.compile(keras.optimizers.Adam(1e-2), "mse")
+            m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        _assert_same_state(plain, model)
+
 
 def _ancestors(op):
     """Every op that `op` waits for, through data and control inputs."""

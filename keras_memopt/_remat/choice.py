@@ -47,6 +47,7 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._memory.sizes import variables_bytes
 from keras_memopt._remat import liveness as _liveness
+from keras_memopt._remat.recompute import added_losses
 
 # A candidate within this share of the lowest peak counts as as low.
 _TIE = 0.02
@@ -82,20 +83,27 @@ class TracedUnits:
         model: a functional model.
         units: the functional models (segments over the model's layers) for
             the units, in order; the last is the head.
+
+    Attributes:
+        adding_loss: the first unit that adds a loss term with `add_loss` in
+            `call` (recomputed, the term would get no gradient), or None.
     """
 
     def __init__(self, model, units):
         inputs, _ = _keras.nested_inputs_outputs(model)
         flat = tf.nest.flatten(inputs)
         specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in flat]
-        bounds = []
+        bounds, adding = [], []
 
         def call(*tensors):
             graph = tf.compat.v1.get_default_graph()
             x = tf.nest.pack_sequence_as(inputs, list(tensors))
-            for unit in units:
+            for index, unit in enumerate(units):
                 bounds.append(len(graph.get_operations()))
-                x = unit(x, training=True)
+                with added_losses(unit) as grown:
+                    x = unit(x, training=True)
+                if grown:
+                    adding.append(index)
             bounds.append(len(graph.get_operations()))
             loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(x)])
             bounds.append(len(graph.get_operations()))
@@ -105,6 +113,7 @@ class TracedUnits:
         self.step = _liveness.StepGraph(graph, kept, cpu=not tf.config.list_logical_devices("GPU"))
         self.parameters = variables_bytes(model.weights)
         self.count = len(units)
+        self.adding_loss = adding[0] if adding else None
         self.signatures = [
             tuple(type(layer).__name__ for layer in unit.layers
                   if not isinstance(layer, _keras.keras.layers.InputLayer))

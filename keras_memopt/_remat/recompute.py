@@ -182,18 +182,27 @@ def _gradients(tape, outputs, upstream, inputs, sources, variables):
 
 
 @contextlib.contextmanager
-def _no_added_losses(layer):
-    """Raises if the call inside adds a loss term to `layer` or a layer in it:
-    recomputed, the term would get no gradient (the forward pass that made it
-    is not recorded), and training would go on silently wrong."""
+def added_losses(layer):
+    """Yields a list that holds, after the block, the names of the layers in
+    `layer` (itself included) that added a loss term with `add_loss` in it."""
     layers = list(_keras.sublayers(layer))  # a generator on tf_keras
     # Terms, not counts: tf_keras clears a layer's terms when a call starts.
     # The list keeps the terms alive, so that no new term takes an old one's id.
     terms = [term for s in layers for term in _keras.added_losses(s)]
     before = {id(term) for term in terms}
-    yield
-    grown = [s.name for s in layers
-             if any(id(term) not in before for term in _keras.added_losses(s))]
+    grown = []
+    yield grown
+    grown.extend(s.name for s in layers
+                 if any(id(term) not in before for term in _keras.added_losses(s)))
+
+
+@contextlib.contextmanager
+def _no_added_losses(layer):
+    """Raises if the call inside adds a loss term to `layer` or a layer in it:
+    recomputed, the term would get no gradient (the forward pass that made it
+    is not recorded), and training would go on silently wrong."""
+    with added_losses(layer) as grown:
+        yield
     if grown:
         raise ValueError(
             f"Cannot recompute {grown[0]!r}: a loss it adds in `call` with "

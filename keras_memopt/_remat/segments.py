@@ -100,7 +100,13 @@ def estimated_candidates(model, batch):
             f"Model {model.name!r} has no tensor that separates its graph: there is no "
             "segment to recompute. Received: model=" + repr(model.name)
         )
-    traced = _remat_choice.TracedUnits(model, SegmentPlan(model, separators, graph).segments)
+    traced, separators = _traced_units(model, graph, separators)
+    if traced is None:
+        raise ValueError(
+            f"Model {model.name!r} adds a loss in `call` before its first tensor that "
+            "separates its graph: there is no segment to recompute (the term would get "
+            "no gradient). Received: model=" + repr(model.name)
+        )
     found = [
         (name, [graph.nodes[separators[i]][0].name for i in cuts], peak)
         for cuts, (name, peak) in _remat_choice.estimates(traced, batch).items()
@@ -112,13 +118,30 @@ def _auto_cuts(model, graph, separators, batch):
     """(indices into `separators`, note, whether the step was traced) for `remat="auto"`."""
     if not separators:
         return [], "", True
-    units = SegmentPlan(model, separators, graph).segments
     try:
-        choice = _remat_choice.choose(_remat_choice.TracedUnits(model, units), batch)
+        traced, separators = _traced_units(model, graph, separators)
+        if traced is None:
+            return [], ("a layer that adds a loss in `call` comes before any tensor that "
+                        "separates its graph (recomputed, the term would get no gradient)"), False
+        choice = _remat_choice.choose(traced, batch)
     except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         return [], f"its step could not be traced to estimate its peak ({reason})", False
     return choice.cuts, choice.note, True
+
+
+def _traced_units(model, graph, separators):
+    """(`TracedUnits` between `separators`, the separators), the separators ending
+    before the first unit that adds a loss in `call` (recomputed, its term would
+    get no gradient); (None, []) where none is left."""
+    traced = _remat_choice.TracedUnits(model, SegmentPlan(model, separators, graph).segments)
+    if traced.adding_loss is None or traced.adding_loss >= len(separators):
+        return traced, separators
+    separators = separators[:traced.adding_loss]
+    if not separators:
+        return None, []
+    units = SegmentPlan(model, separators, graph).segments
+    return _remat_choice.TracedUnits(model, units), separators
 
 
 class SegmentPlan:
