@@ -121,6 +121,8 @@ class Spec:
     # `prune_low_magnitude`, 0 to 50% sparsity over three updates), trained
     # with `UpdatePruningStep`; the oracle is plain tfmot pruning.
     pruned: bool = False
+    # Both runs' steps run eagerly (`compile(run_eagerly=True)`).
+    run_eagerly: bool = False
 
     def describe(self):
         parts = [
@@ -135,7 +137,7 @@ class Spec:
             parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
-                 "pruned")
+                 "pruned", "run_eagerly")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -312,6 +314,8 @@ def draw(seed: int) -> Spec:
     # layer with an activity regulariser is refused in a segment, as above).
     if spec.build != "subclassed" and not spec.regularize and r.random() < 0.25:
         spec = dataclasses.replace(spec, remat="auto")
+    if not spec.jit_compile and r.random() < 0.1:
+        spec = dataclasses.replace(spec, run_eagerly=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -756,4 +760,6 @@ def compile_kwargs(spec):
         kwargs["steps_per_execution"] = spec.steps_per_execution
     if spec.jit_compile:
         kwargs["jit_compile"] = True
+    if spec.run_eagerly:
+        kwargs["run_eagerly"] = True
     return kwargs

@@ -133,6 +133,12 @@ FOUND = {
     "recomputed-segments-before-an-add-loss-layer": case(
         family="attention", outputs="dict", heads=TWO, add_loss="mean", remat="each",
     ),
+    # `remat="auto"` chose a segment through a layer that adds a loss, which the step
+    # then refused ("Cannot recompute 'mean_penalty_1'"): it ends its segments before it.
+    "remat-auto-before-an-add-loss-layer": case(
+        family="tagger", mask_zero=True, recurrent="SimpleRNN", sample_weight="token",
+        add_loss="mean", remat="auto",
+    ),
     # `global_clipnorm` on tf_keras under `MirroredStrategy`: its all-reduce concatenates
     # the replicas' Embedding rows and it clips before summing repeated rows, so the norm
     # was not the batch gradient's (0.039 from plain Keras with dense gradients).
