@@ -139,6 +139,10 @@ FOUND = {
         family="tagger", mask_zero=True, recurrent="SimpleRNN", sample_weight="token",
         add_loss="mean", remat="auto",
     ),
+    # Run eagerly, a micro-batch's outputs have a known first dimension, by which Keras 3
+    # weighed each output's loss tracker: each output's logged loss was several times
+    # plain Keras's (the total loss and the weights exact).
+    "per-output-losses-run-eagerly": case(outputs="dict", heads=TWO, run_eagerly=True),
     # `global_clipnorm` on tf_keras under `MirroredStrategy`: its all-reduce concatenates
     # the replicas' Embedding rows and it clips before summing repeated rows, so the norm
     # was not the batch gradient's (0.039 from plain Keras with dense gradients).
