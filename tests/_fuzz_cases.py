@@ -92,7 +92,9 @@ class Spec:
     jit_compile: bool
     # Recomputation: "each", a segment after every layer that separates the
     # graph, or in a subclassed model a `keras_memopt.Remat` around every trunk
-    # layer; "auto", `remat="auto"`'s own choice (functional graphs).
+    # layer; "auto", `remat="auto"`'s own choice (functional graphs); "auto4096",
+    # its choice planned at a micro-batch of 4096 samples, where the activations
+    # outweigh these small models' weights (at the case's own it rarely recomputes).
     remat: str | None = None
     # An out-of-memory error at the fault layer's `oom_at`-th run on more than one
     # row (before the heads), with `OOMBackoff` attached: the AccumulatingModel's
@@ -316,6 +318,8 @@ def draw(seed: int) -> Spec:
         spec = dataclasses.replace(spec, remat="auto")
     if not spec.jit_compile and r.random() < 0.1:
         spec = dataclasses.replace(spec, run_eagerly=True)
+    if spec.remat == "auto" and r.random() < 0.5:
+        spec = dataclasses.replace(spec, remat="auto4096")
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -568,6 +572,13 @@ def _recomputing(model, spec):
     business, what training with them computes is)."""
     if spec.remat == "auto":
         model.remat = "auto"
+    elif spec.remat == "auto4096":
+        # Planned at that size (set before `remat`); the case's split set back after.
+        model.accumulation_steps, model.micro_batch_size = None, 4096
+        model.remat = "auto"
+        model.micro_batch_size = None
+        for setting, value in spec.split:
+            setattr(model, setting, value)
     elif spec.remat:
         from keras_memopt._remat.graph import Graph
 
