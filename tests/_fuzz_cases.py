@@ -27,6 +27,9 @@ FAMILIES = (*LINEAR_FAMILIES, "attention", "two_inputs", "ragged")
 # Drawn with `jit_compile` sometimes: XLA compiles each micro-batch shape, which takes
 # seconds for these small models and a minute for recurrent and attention ones.
 JIT_FAMILIES = ("dense", "conv1d", "conv2d", "pooled")
+# The families whose token ids may come as words instead (`Spec.strings`).
+TOKEN_FAMILIES = ("pooled", "recurrent", "tagger", "attention", "two_inputs")
+WORDS = [f"w{i}" for i in range(1, VOCAB)]  # id i is word `WORDS[i - 1]`; "" pads
 OPTIMIZERS = [
     name
     for name in (
@@ -125,6 +128,9 @@ class Spec:
     pruned: bool = False
     # Both runs' steps run eagerly (`compile(run_eagerly=True)`).
     run_eagerly: bool = False
+    # The tokens come as words (a `tf.string` tensor, "" for padding) that a
+    # `StringLookup` in the model turns into the same ids.
+    strings: bool = False
 
     def describe(self):
         parts = [
@@ -139,7 +145,7 @@ class Spec:
             parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
-                 "pruned", "run_eagerly")
+                 "pruned", "run_eagerly", "strings")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -320,6 +326,9 @@ def draw(seed: int) -> Spec:
         spec = dataclasses.replace(spec, run_eagerly=True)
     if spec.remat == "auto" and r.random() < 0.5:
         spec = dataclasses.replace(spec, remat="auto4096")
+    # XLA compiles no string lookup.
+    if spec.family in TOKEN_FAMILIES and not spec.jit_compile and r.random() < 0.25:
+        spec = dataclasses.replace(spec, strings=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -454,6 +463,8 @@ def make_layers(spec):
     if spec.pruned:
         heads = [_pruned(head) for head in heads]
     parts = {"trunk": _trunk(spec), "heads": heads}
+    if spec.strings:
+        parts["lookup"] = layers.StringLookup(vocabulary=WORDS, mask_token="", num_oov_indices=0)
     if spec.frozen is not None:
         parts["trunk"][min(spec.frozen, len(parts["trunk"]) - 1)].trainable = False
     if spec.oom_at:
@@ -473,6 +484,10 @@ def arm_fault(model, spec):
 def _apply(spec, parts, inputs):
     """The model's graph on `inputs` (symbolic or not), with `make_layers`'s layers."""
     trunk = parts["trunk"]
+    if "lookup" in parts and spec.family == "two_inputs":
+        inputs = dict(inputs, tokens=parts["lookup"](inputs["tokens"]))
+    elif "lookup" in parts:
+        inputs = parts["lookup"](inputs)
     if spec.family == "attention":
         x = trunk[0](inputs)
         x = trunk[1](x, x)
@@ -499,7 +514,7 @@ def _apply(spec, parts, inputs):
 
 
 def _inputs(spec):
-    tokens = dict(shape=(LENGTH,), dtype="int32")
+    tokens = dict(shape=(LENGTH,), dtype="string" if spec.strings else "int32")
     if spec.family == "dense":
         return keras.Input((6,))
     if spec.family == "conv1d":
@@ -547,7 +562,10 @@ def build_model(spec, accumulating: bool, sample_x):
     parts = make_layers(spec)
     if spec.build == "sequential":
         fault = [parts["fault"]] if "fault" in parts else []
-        plain = keras.Sequential([_inputs(spec), *parts["trunk"], *fault, *parts["heads"]])
+        lookup = [parts["lookup"]] if "lookup" in parts else []
+        plain = keras.Sequential(
+            [_inputs(spec), *lookup, *parts["trunk"], *fault, *parts["heads"]]
+        )
     else:
         inputs = _inputs(spec)
         cls = AccumulatingModel if accumulating and spec.build == "functional" else keras.Model
@@ -664,7 +682,14 @@ def make_data(spec):
         kwargs["sample_weight"] = weights
     if spec.class_weight:
         kwargs["class_weight"] = {c: 0.5 + 0.5 * c for c in range(CLASSES)}
+    if spec.strings:
+        x = _words(x) if spec.family != "two_inputs" else dict(x, tokens=_words(x["tokens"]))
     return x, y, kwargs
+
+
+def _words(ids):
+    """Token ids as the words `StringLookup(WORDS)` maps back to them ("" for 0)."""
+    return tf.constant(np.array([""] + WORDS, dtype=object)[ids], tf.string)
 
 
 # -- compiling and training ----------------------------------------------------------
