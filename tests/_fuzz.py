@@ -20,8 +20,9 @@ validation data in `fit`, batches from a `tf.data.Dataset`, a frozen trunk
 layer, a `LearningRateScheduler` callback, more metrics (AUC, cross-entropy,
 RMSE) and `weighted_metrics`, a second `fit` at another batch size and split,
 per head another of Keras's losses for its kind (or none on a second output), on
-Keras 3 the optimizer's own `gradient_accumulation_steps`, and on tf_keras the
-heads pruned by tfmot's `prune_low_magnitude`.
+Keras 3 the optimizer's own `gradient_accumulation_steps`, on tf_keras the heads
+pruned by tfmot's `prune_low_magnitude`, `run_eagerly`, and token ids given as
+words through a `StringLookup` in the model.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
