@@ -820,6 +820,23 @@ class TestBadInput:
             m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         _assert_same_state(plain, model)
 
+    def test_auto_recomputes_nothing_where_the_first_layer_adds_a_loss(self):
+        class Penalty(layers.Layer):
+            def call(self, x):
+                self.add_loss(1e-2 * tf.reduce_mean(tf.square(x)))
+                return x
+
+        inputs = keras.Input((64,))
+        x = Penalty(name="penalty")(inputs)
+        for index in range(6):
+            x = layers.Dense(64, activation="relu", name=f"dense_{index}")(x)
+        model = AccumulatingModel(inputs, layers.Dense(2)(x), micro_batch_size=4096)
+        with pytest.warns(UserWarning, match="adds a loss in `call` comes before any tensor"):
+            model.remat = "auto"
+        assert model.recomputed_segments == []
+        with pytest.raises(ValueError, match="adds a loss in `call` before its first tensor"):
+            estimated_candidates(model, 4096)
+
 
 def _ancestors(op):
     """Every op that `op` waits for, through data and control inputs."""
