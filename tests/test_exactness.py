@@ -378,6 +378,17 @@ def test_matches_plain_keras_run_eagerly(name):
     assert_same_training(expected, received)
 
 
+def test_matches_plain_keras_run_eagerly_under_mirrored_strategy(mirrored_strategy):
+    # 34 samples: the last batch gives each replica one sample, whose loss Keras 3
+    # squeezes to a scalar where the batch of one is known (eagerly) and the weight is
+    # a scalar, and then leaves unscaled for the replicas (weights 0.09 apart).
+    case = dataclasses.replace(CASES["mlp-adam"], data=lambda rng: mlp_data(rng, 34))
+    with mirrored_strategy.scope():
+        expected = _train(case, keras.Model, run_eagerly=True)
+        received = _train(case, AccumulatingModel, run_eagerly=True, **case.micro)
+    assert_same_training(expected, received)
+
+
 # The recurrent taggers run in `test_matches_plain_keras`; under the strategy
 # the masked tagger without recurrence checks the same per-token mask (the
 # recurrent one took 110 s here), the tickets model recurrent layers.

@@ -143,6 +143,12 @@ FOUND = {
     # weighed each output's loss tracker: each output's logged loss was several times
     # plain Keras's (the total loss and the weights exact).
     "per-output-losses-run-eagerly": case(outputs="dict", heads=TWO, run_eagerly=True),
+    # Run eagerly under a strategy, a replica's micro-batch of one sample (the last
+    # batch, two samples) lost its replica scaling in Keras 3: weights 0.29 apart.
+    "one-sample-per-replica-run-eagerly": case(
+        family="conv2d", build="sequential", heads=(Head("regression", None, True, False),),
+        mirrored=True, run_eagerly=True, optimizer="AdamW", samples=14, batch_size=6,
+    ),
     # `global_clipnorm` on tf_keras under `MirroredStrategy`: its all-reduce concatenates
     # the replicas' Embedding rows and it clips before summing repeated rows, so the norm
     # was not the batch gradient's (0.039 from plain Keras with dense gradients).

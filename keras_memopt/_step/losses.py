@@ -176,10 +176,6 @@ class LossSplit:
         if not count:
             return nan, nan, nan, nan
         valid = _counts(self.divisor_masks(y, y_pred, form))
-        floatx = _keras.keras.backend.floatx()
-        # Keras 3 squeezes the loss of one sample with a scalar weight to a scalar,
-        # which its reduction then leaves unscaled for the replicas: a weight per sample.
-        ones = tf.ones([1], floatx)
         parts, own = [], []
         for index in range(count):
             one = [sample(data, index) for data in (x, y, y_pred)]
@@ -189,7 +185,7 @@ class LossSplit:
                 own.append(nan)
                 continue
             share = _loop.share_of(1, count)
-            parts.append(self._compiled_share(*one[1:], ones, share, valid, form=form))
+            parts.append(self._compiled_share(*one[1:], None, share, valid, form=form))
             own.append(self._weighted_on(index, count, y, y_pred))
         parts, own = (tf.stack([tf.cast(v, tf.float64) for v in vs]) for vs in (parts, own))
         worst = tf.argmax(tf.where(tf.math.is_nan(own), 0.0, tf.abs(own - parts)))
@@ -255,6 +251,11 @@ def _output_weights(y_pred, sample_weight, shares, masks):
     output (a dict or list, as the user gave it; one tensor for several
     outputs arrives as a tuple of that tensor).
     """
+    if _loop.static_batch_size(y_pred) == 1:
+        # Keras 3 squeezes the loss of a sample known to be alone (run eagerly)
+        # with a scalar weight to a scalar, which its reduction then leaves
+        # unscaled for the replicas: a weight per sample.
+        shares = [None if s is None else tf.reshape(s, [1]) for s in shares]
     if all(mask is None for mask in masks):
         # Every output's share is the micro-batch's: each weight scaled by it.
         if sample_weight is None:
