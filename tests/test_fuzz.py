@@ -149,6 +149,12 @@ FOUND = {
         family="conv2d", build="sequential", heads=(Head("regression", None, True, False),),
         mirrored=True, run_eagerly=True, optimizer="AdamW", samples=14, batch_size=6,
     ),
+    # With `whole_batch_loss`, a head without a loss got a zero gradient, which Ftrl
+    # turned into zero weights (plain Keras gives it none).
+    "whole-batch-loss-with-an-output-without-a-loss": case(
+        outputs="dict", heads=TWO, losses=("usual", "none"), whole_batch_loss=True,
+        optimizer="Ftrl",
+    ),
     # `global_clipnorm` on tf_keras under `MirroredStrategy`: its all-reduce concatenates
     # the replicas' Embedding rows and it clips before summing repeated rows, so the norm
     # was not the batch gradient's (0.039 from plain Keras with dense gradients).

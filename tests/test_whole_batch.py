@@ -87,6 +87,29 @@ def test_compiled_clip_loss_matches_plain_keras():
     _assert_same(expected, received)
 
 
+@pytest.mark.parametrize("optimizer", ["Ftrl", "AdamW"])
+def test_an_output_without_a_loss_gets_no_gradient(optimizer):
+    # Its head's weights got a zero gradient, which Ftrl turns into zero weights and
+    # AdamW's decay moves; plain Keras leaves a variable without a gradient as it is.
+    def model(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        hidden = layers.Dense(8, activation="relu")(inputs)
+        outputs = {"pair": layers.Dense(2 * WIDTH, name="pair")(hidden),
+                   "extra": layers.Dense(3, name="extra")(hidden)}
+        return cls(inputs, outputs, **kwargs)
+
+    x = _data()[0][0]
+    y = {"pair": np.zeros((len(x), 1), "float32"), "extra": np.zeros((len(x), 3), "float32")}
+    runs = []
+    for cls, kwargs in ((keras.Model, {}), (AccumulatingModel, WHOLE)):
+        trained = model(cls, **kwargs)
+        trained.compile(getattr(keras.optimizers, optimizer)(0.05), loss={"pair": clip_loss})
+        history = trained.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+        runs.append((trained, history.history, {}))
+    _assert_same(*runs)
+
+
 def test_without_the_option_the_coupled_loss_is_refused_before_any_update():
     model = two_towers(AccumulatingModel, micro_batch_size=20)
     before = [w.copy() for w in model.get_weights()]

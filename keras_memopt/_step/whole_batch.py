@@ -114,7 +114,10 @@ class WholeBatch:
         """Step 2: `(loss, output_gradients, direct_gradients)`.
 
         `output_gradients` has one tensor per tensor of `_differentiated(outputs)`
-        (the loss's gradient with respect to it, unscaled); `direct_gradients`, per
+        (the loss's gradient with respect to it, unscaled; None for an output the
+        loss does not read, whose weights get no gradient from it, as in plain
+        Keras, rather than a zero one that Ftrl or a weight decay would act on);
+        `direct_gradients`, per
         variable, the gradient of what the loss reads of the variables itself
         (None where nothing, the usual case), loss-scaled as step 3's are.
         """
@@ -126,10 +129,7 @@ class WholeBatch:
                 tape.watch(floats)
                 loss = loss_fn(outputs)
                 scaled = _keras.scale_loss(optimizer, loss)
-            output_gradients = [
-                tf.zeros_like(t) if g is None else g
-                for t, g in zip(floats, tape.gradient(loss, floats), strict=True)
-            ]
+            output_gradients = tape.gradient(loss, floats)
             direct = tape.gradient(scaled, list(variables))
         del tape
         return loss, output_gradients, direct
@@ -150,6 +150,7 @@ class WholeBatch:
                 parts = [
                     tf.reduce_sum(tf.cast(output, gradient.dtype) * gradient)
                     for output, gradient in zip(floats, gradients, strict=True)
+                    if gradient is not None
                 ]
                 penalty = _keras.additional_loss(model, penalty)
                 dtype = parts[0].dtype if parts else penalty.dtype
