@@ -105,34 +105,16 @@ def compiled_loss(model, y, y_pred, sample_weight, terms):
     """The compiled losses plus `terms`, by Keras's own container.
 
     tf_keras's container also updates the reported loss (weighted by the
-    dynamic batch size); Keras 3's updates its per-output loss trackers, each
-    call with weight one (`_one_update_each`).
+    dynamic batch size); Keras 3's updates its per-output loss trackers.
     """
     container = compiled_loss_container(model)
     if LEGACY:
         return container(y, y_pred, sample_weight, regularization_losses=terms)
-    with _one_update_each(container, y_pred):
-        loss = container(y, y_pred, sample_weight)
+    loss = container(y, y_pred, sample_weight)
     loss = tf.zeros([]) if loss is None else loss
     for term in terms:
         loss += tf.cast(term, loss.dtype)
     return loss
-
-
-@contextlib.contextmanager
-def _one_update_each(container, y_pred):
-    """Keras 3 weighs a per-output loss tracker's update by the outputs' static first
-    dimension: one in a traced micro-batch loop (unknown there), the micro-batch's
-    size where it is known (run eagerly). Inside, a call's update weighs one either
-    way, as `OutputLossTrackers` expects of each micro-batch."""
-    size = tf.nest.flatten(y_pred)[0].shape[0]
-    trackers = list(container.metrics) if size not in (None, 1) else []
-    before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in trackers]
-    yield
-    for tracker, (total, count) in zip(trackers, before, strict=True):
-        added = tracker.count - count  # the weight Keras gave (zero: not updated)
-        tracker.total.assign(total + tf.math.divide_no_nan(tracker.total - total, added))
-        tracker.count.assign(count + tf.minimum(added, tf.ones_like(added)))
 
 
 def additional_loss(model, term):

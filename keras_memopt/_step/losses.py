@@ -22,7 +22,8 @@ does with the samples, and which class each output's loss ignores, is found
 once, at the first step (`keras_memopt._step.loss_check`).
 
 Keras 3 updates each per-output loss tracker with the batch's *static* first
-dimension, unknown inside the loop (so each micro-batch counts as one); the
+dimension, unknown inside the loop (so each micro-batch counts as one; run
+eagerly, where it is known, `_one_update_each` makes it one); the
 trackers are set after the loop to what one update with the whole batch gives
 (`OutputLossTrackers`). tf_keras weights them by the dynamic micro-batch size, so
 there its micro-batch losses are expressed per sample of the micro-batch and
@@ -34,6 +35,8 @@ of `model.losses` are split.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 
@@ -160,7 +163,8 @@ class LossSplit:
             for i, mask in enumerate(masks)
         ]
         weights = _output_weights(y_pred, sample_weight, shares, masks)
-        return _keras.compiled_loss(self.model, y, y_pred, weights, [])
+        with _one_update_each(self.model, y_pred):
+            return _keras.compiled_loss(self.model, y, y_pred, weights, [])
 
     def _one_at_a_time(self, form, x, y, y_pred):
         """What `loss_check.check` compares (its `split`), on a few samples' outputs:
@@ -306,6 +310,21 @@ class OutputLossTrackers:
             tracker.total.assign(total)
             tracker.count.assign(count)
             tracker.update_state(loss, sample_weight=weight)
+
+
+@contextlib.contextmanager
+def _one_update_each(model, y_pred):
+    """Inside, Keras 3's per-output loss trackers take a call's loss with weight one,
+    as in the traced micro-batch loop (`OutputLossTrackers`): Keras weighs it by the
+    outputs' static batch size, which is known where the step runs eagerly."""
+    size = tf.nest.flatten(y_pred)[0].shape[0]
+    trackers = _keras.output_loss_trackers(model) if size not in (None, 1) else []
+    before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in trackers]
+    yield
+    for tracker, (total, count) in zip(trackers, before, strict=True):
+        added = tracker.count - count  # the weight Keras gave (zero: not updated)
+        tracker.total.assign(total + tf.math.divide_no_nan(tracker.total - total, added))
+        tracker.count.assign(count + tf.minimum(added, tf.ones_like(added)))
 
 
 def output_masks(y_pred) -> list:
