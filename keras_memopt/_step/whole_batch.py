@@ -117,9 +117,9 @@ class WholeBatch:
         (the loss's gradient with respect to it, unscaled; None for an output the
         loss does not read, whose weights get no gradient from it, as in plain
         Keras, rather than a zero one that Ftrl or a weight decay would act on);
-        `direct_gradients`, per
-        variable, the gradient of what the loss reads of the variables itself
-        (None where nothing, the usual case), loss-scaled as step 3's are.
+        `direct_gradients`, per variable, the gradient of what the loss reads of
+        the variables itself (None where nothing, the usual case), loss-scaled as
+        step 3's are.
         """
         floats = _differentiated(outputs)
         # Named, so that an out-of-memory error here is told from a
