@@ -589,7 +589,7 @@ def _wrapped(layer):
 def _recomputing(model, spec):
     """`model` with a recomputed segment after every layer that separates its graph
     (the package's own reading of the graph: which cuts exist is not the oracle's
-    business, what training with them computes is)."""
+    business, what training with them computes is), or with `remat="auto"`'s."""
     if spec.remat == "auto":
         model.remat = "auto"
     elif spec.remat == "auto4096":
