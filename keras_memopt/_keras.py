@@ -192,6 +192,16 @@ def carry_logits(tensor, logits, like):
 
 
 @contextlib.contextmanager
+def mask_warning_silenced():
+    """Keras 3 warns that a functional model called on a masked tensor "will therefore
+    destroy the mask information"; a segment's layers read that mask and give its
+    outputs theirs (`keras_memopt._remat.segments`), so for a segment it is wrong."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*will therefore destroy the mask")
+        yield
+
+
+@contextlib.contextmanager
 def losses_replaced(model, terms):
     """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
 

@@ -309,6 +309,26 @@ class TestRemat:
         np.testing.assert_allclose(losses[0], losses[1], **EXACT)
         _assert_same_state(plain, recomputed)
 
+    def test_segments_of_a_masked_model_raise_no_mask_warning(self):
+        # Keras 3 warned at every segment that the mask "will therefore be destroyed",
+        # which the segments' own layers read and pass on (the taggers' exactness).
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,), dtype="int32")
+        x = layers.Embedding(20, 16, mask_zero=True)(inputs)
+        x = layers.GRU(16, return_sequences=True, name="gru")(x)
+        x = layers.Dense(16, name="d1")(layers.Dense(16)(x))
+        model = AccumulatingModel(
+            inputs, layers.Dense(3)(x), micro_batch_size=4, remat=["gru", "d1"]
+        )
+        model.compile("adam", "sparse_categorical_crossentropy")
+        rng = np.random.RandomState(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(rng.randint(0, 20, (16, 8)), rng.randint(0, 3, (16, 8)), batch_size=8,
+                      verbose=0)
+        lost = [str(w.message) for w in caught if "destroy the mask" in str(w.message)]
+        assert not lost, lost
+
     def test_refuses_what_it_cannot_recompute(self):
         with pytest.raises(TypeError, match="wraps a Keras layer.*Received: layer="):
             Remat(lambda x: x)

@@ -100,7 +100,7 @@ class TracedUnits:
             x = tf.nest.pack_sequence_as(inputs, list(tensors))
             for index, unit in enumerate(units):
                 bounds.append(len(graph.get_operations()))
-                with added_losses(unit) as grown:
+                with added_losses(unit) as grown, _keras.mask_warning_silenced():
                     x = unit(x, training=True)
                 if grown:
                     adding.append(index)

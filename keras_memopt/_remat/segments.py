@@ -182,7 +182,7 @@ class SegmentPlan:
         for segment, recomputed, device in zip(
             self.segments, self.recomputed, self.devices, strict=True
         ):
-            call = functools.partial(segment, training=training)
+            call = functools.partial(_silenced, segment, training=training)
             if training and recomputed:
                 x = recompute(call, segment, (x,), device=device)
             elif training and device:
@@ -191,6 +191,12 @@ class SegmentPlan:
                 with on(device):
                     x = call(x)
         return x
+
+
+def _silenced(segment, x, training):
+    """`segment(x)`, also where its recomputation runs it again."""
+    with _keras.mask_warning_silenced():
+        return segment(x, training=training)
 
 
 def build_plan(model, remat):
