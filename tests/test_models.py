@@ -321,7 +321,12 @@ def test_resident_memory_between_steps_is_plain_keras_s():
         figures[kind] = last_json(output)
     # Weights and Adam's two slots stay between steps in both.
     assert figures["plain"]["resident"] >= 3 * figures["plain"]["weights"]
-    assert figures["accumulating"]["resident"] <= figures["plain"]["resident"] + 2**20, figures
+    # No model-sized buffer: its smallest, one hidden kernel, is 4 MiB (W 21 MiB). What
+    # stays beside the variables moves between processes by one or two 512 KiB
+    # allocations that no Python object holds (tf_keras, 12 fresh runs: 66.32 MB nine
+    # times, 66.84 three, 67.37 in one CI run; plain Keras 66.29): 0.1 W allows them.
+    margin = 0.1 * figures["plain"]["weights"]
+    assert figures["accumulating"]["resident"] <= figures["plain"]["resident"] + margin, figures
 
 
 class TestCompilation:
