@@ -21,8 +21,9 @@ layer, a `LearningRateScheduler` callback, more metrics (AUC, cross-entropy,
 RMSE) and `weighted_metrics`, a second `fit` at another batch size and split,
 per head another of Keras's losses for its kind (or none on a second output), on
 Keras 3 the optimizer's own `gradient_accumulation_steps`, on tf_keras the heads
-pruned by tfmot's `prune_low_magnitude`, `run_eagerly`, and token ids given as
-words through a `StringLookup` in the model.
+pruned by tfmot's `prune_low_magnitude`, `run_eagerly`, token ids given as
+words through a `StringLookup` in the model, and the `AccumulatingModel` saved
+to a `.keras` file after its first `fit` and loaded back to go on training.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -48,6 +49,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -62,6 +64,7 @@ from _fuzz_cases import (  # noqa: E402
     arm_fault,
     build_model,
     compile_kwargs,
+    custom_objects,
     draw,
     fit_callbacks,
     make_data,
@@ -144,6 +147,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
             **labelled, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
             **fit_kwargs,
         ).history
+        if accumulating and spec.reload:
+            model = _reloaded(model)
         if spec.refit:
             if accumulating:
                 (setting, value), = spec.split
@@ -173,6 +178,15 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         raised=fault.raised if fault is not None else 0,
         segments=len(getattr(model, "recomputed_segments", ())),
     )
+
+
+def _reloaded(model):
+    """`model` saved to a `.keras` file and loaded back."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.keras")
+        model.save(path)
+        # A loss given as a Python function is saved as its code.
+        return keras.models.load_model(path, custom_objects=custom_objects(), safe_mode=False)
 
 
 def _feed(spec, x, y, weights, batch_size):

@@ -131,6 +131,11 @@ class Spec:
     # The tokens come as words (a `tf.string` tensor, "" for padding) that a
     # `StringLookup` in the model turns into the same ids.
     strings: bool = False
+    # The AccumulatingModel saved to a `.keras` file after its first `fit` and
+    # loaded back (`keras.models.load_model`), which then goes on training (a
+    # `refit`), evaluates and predicts: a checkpoint's resumption. The oracle
+    # goes on in memory (its dense-gradient optimizer is no saved object).
+    reload: bool = False
 
     def describe(self):
         parts = [
@@ -145,7 +150,7 @@ class Spec:
             parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
-                 "pruned", "run_eagerly", "strings")
+                 "pruned", "run_eagerly", "strings", "reload")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -331,6 +336,12 @@ def draw(seed: int) -> Spec:
     wordy = spec.family in TOKEN_FAMILIES and not spec.jit_compile
     if wordy and not (mirrored and not LEGACY) and r.random() < 0.25:
         spec = dataclasses.replace(spec, strings=True)
+    # Keras revives no class it was not given (the subclassed builds' are made
+    # per model), and tfmot's wrappers only in its own scope; the fault layer is
+    # not for saving.
+    reloadable = spec.build != "subclassed" and not spec.pruned and not spec.oom_at
+    if reloadable and r.random() < 0.2:
+        spec = dataclasses.replace(spec, reload=True, refit=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -721,6 +732,13 @@ def _loss(head, name=None):
                "kl_divergence": "KLDivergence", "mean_squared_logarithmic_error":
                "MeanSquaredLogarithmicError", "mean_absolute_error": "MeanAbsoluteError"}
     return getattr(keras.losses, classes.get(name) or name.title().replace("_", ""))()
+
+
+def custom_objects():
+    """What `keras.models.load_model` needs to revive the cases' own parts."""
+    return {cls.__name__: cls for cls in (MeanPenalty, SumPenalty, RaggedMean)} | {
+        "soft_dice": soft_dice
+    }
 
 
 def soft_dice(y_true, y_pred):
