@@ -39,7 +39,8 @@ Keras 3 applies an Embedding's sparse gradient slice by slice, tf_keras clips
 the unsummed slices; neither is the whole batch's update.
 
 Run as a script for a long sweep (`python tests/_fuzz.py --cases 300`): one
-line per case and a summary; `--seed N` replays one case.
+line per case and a summary; `--seed N` replays one case, `--only FIELD` keeps the
+seeds whose case draws that field (`--first 80000 --cases 400 --only reload`).
 """
 
 from __future__ import annotations
@@ -348,12 +349,17 @@ def main(argv=None):
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--cases", type=int, default=100, help="how many seeds")
     parser.add_argument("--seed", type=int, action="append", help="replay these seeds only")
+    fields = [field.name for field in dataclasses.fields(Spec)]
+    parser.add_argument("--only", metavar="FIELD", choices=fields,
+                        help="only the seeds whose case draws FIELD (a `Spec` field, e.g. reload)")
     args = parser.parse_args(argv)
     # Two logical CPUs for the cases under `MirroredStrategy`, as the tests have them.
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     tf.get_logger().setLevel("ERROR")  # retracing notes: every case traces anew
     seeds = args.seed or range(args.first, args.first + args.cases)
+    if args.only:
+        seeds = [seed for seed in seeds if getattr(draw(seed), args.only)]
     results = []
     for seed in seeds:
         result = run(draw(seed))
