@@ -22,8 +22,10 @@ RMSE) and `weighted_metrics`, a second `fit` at another batch size and split,
 per head another of Keras's losses for its kind (or none on a second output), on
 Keras 3 the optimizer's own `gradient_accumulation_steps`, on tf_keras the heads
 pruned by tfmot's `prune_low_magnitude`, `run_eagerly`, token ids given as
-words through a `StringLookup` in the model, and the `AccumulatingModel` saved
-to a `.keras` file after its first `fit` and loaded back to go on training.
+words through a `StringLookup` in the model, the `AccumulatingModel` saved to a
+`.keras` file after its first `fit` and loaded back to go on training, and the
+frozen layer made trainable before the second `fit` with the model compiled
+again (fine-tuning's second phase).
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -151,6 +153,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         if accumulating and spec.reload:
             model = _reloaded(model)
         if spec.refit:
+            if spec.unfreeze:
+                _unfreeze(model, spec, accumulating)
             if accumulating:
                 (setting, value), = spec.split
                 if setting == "accumulation_steps":
@@ -188,6 +192,18 @@ def _reloaded(model):
         model.save(path)
         # A loss given as a Python function is saved as its code.
         return keras.models.load_model(path, custom_objects=custom_objects(), safe_mode=False)
+
+
+def _unfreeze(model, spec, accumulating):
+    """Makes the frozen layers trainable and compiles `model` again with a fresh
+    optimizer, as fine-tuning's second phase does."""
+    for layer in model._flatten_layers():
+        if not layer.trainable:
+            layer.trainable = True
+    optimizer = make_optimizer(spec)
+    if not accumulating:
+        optimizer = dense_gradients(optimizer)
+    model.compile(optimizer=optimizer, **compile_kwargs(spec))
 
 
 def _feed(spec, x, y, weights, batch_size):

@@ -136,6 +136,9 @@ class Spec:
     # `refit`), evaluates and predicts: a checkpoint's resumption. The oracle
     # goes on in memory (its dense-gradient optimizer is no saved object).
     reload: bool = False
+    # Fine-tuning's second phase: before the `refit`, the frozen layer is made
+    # trainable and the model compiled again with a fresh optimizer.
+    unfreeze: bool = False
 
     def describe(self):
         parts = [
@@ -150,7 +153,7 @@ class Spec:
             parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
-                 "pruned", "run_eagerly", "strings", "reload")
+                 "pruned", "run_eagerly", "strings", "reload", "unfreeze")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -344,6 +347,8 @@ def draw(seed: int) -> Spec:
     reloadable = reloadable and "function" not in (spec.losses or ())
     if reloadable and r.random() < 0.2:
         spec = dataclasses.replace(spec, reload=True, refit=True)
+    if spec.frozen is not None and r.random() < 0.5:
+        spec = dataclasses.replace(spec, unfreeze=True, refit=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
