@@ -22,8 +22,8 @@ RMSE) and `weighted_metrics`, a second `fit` at another batch size and split,
 per head another of Keras's losses for its kind (or none on a second output), on
 Keras 3 the optimizer's own `gradient_accumulation_steps`, on tf_keras the heads
 pruned by tfmot's `prune_low_magnitude`, `run_eagerly`, token ids given as
-words through a `StringLookup` in the model, the `AccumulatingModel` saved to a
-`.keras` file after its first `fit` and loaded back to go on training, and the
+words through a `StringLookup` in the model, both models saved to a `.keras`
+file after their first `fit` and loaded back to go on training, and the
 frozen layer made trainable before the second `fit` with the model compiled
 again (fine-tuning's second phase).
 
@@ -150,8 +150,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
             **labelled, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
             **fit_kwargs,
         ).history
-        if accumulating and spec.reload:
-            model = _reloaded(model)
+        if spec.reload:
+            model = _reloaded(model, accumulating)
         if spec.refit:
             if spec.unfreeze:
                 _unfreeze(model, spec, accumulating)
@@ -185,13 +185,17 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     )
 
 
-def _reloaded(model):
-    """`model` saved to a `.keras` file and loaded back."""
+def _reloaded(model, accumulating):
+    """`model` saved to a `.keras` file and loaded back (the oracle's optimizer
+    applying dense gradients again: the wrapper is no saved object)."""
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "model.keras")
         model.save(path)
         # A loss given as a Python function is saved as its code.
-        return keras.models.load_model(path, custom_objects=custom_objects(), safe_mode=False)
+        model = keras.models.load_model(path, custom_objects=custom_objects(), safe_mode=False)
+    if not accumulating:
+        dense_gradients(model.optimizer)
+    return model
 
 
 def _unfreeze(model, spec, accumulating):

@@ -131,10 +131,10 @@ class Spec:
     # The tokens come as words (a `tf.string` tensor, "" for padding) that a
     # `StringLookup` in the model turns into the same ids.
     strings: bool = False
-    # The AccumulatingModel saved to a `.keras` file after its first `fit` and
-    # loaded back (`keras.models.load_model`), which then goes on training (a
-    # `refit`), evaluates and predicts: a checkpoint's resumption. The oracle
-    # goes on in memory (its dense-gradient optimizer is no saved object).
+    # Both models saved to a `.keras` file after their first `fit` and loaded back
+    # (`keras.models.load_model`), which then go on training (a `refit`), evaluate
+    # and predict: a checkpoint's resumption. The oracle is plain Keras's own round
+    # trip: Keras 3.15's `Huber` saves no `delta`, so a reloaded one has another loss.
     reload: bool = False
     # Fine-tuning's second phase: before the `refit`, the frozen layer is made
     # trainable and the model compiled again with a fresh optimizer.
