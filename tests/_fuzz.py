@@ -200,9 +200,13 @@ def _reloaded(model, accumulating):
 
 def _unfreeze(model, spec, accumulating):
     """Makes the frozen layers trainable and compiles `model` again with a fresh
-    optimizer, as fine-tuning's second phase does."""
+    optimizer, as fine-tuning's second phase does.
+
+    A BatchNormalization stays frozen: training, it normalises each micro-batch by
+    its own statistics, which no whole-batch oracle computes (docs/accumulation.md).
+    """
     for layer in model._flatten_layers():
-        if not layer.trainable:
+        if not layer.trainable and not isinstance(layer, keras.layers.BatchNormalization):
             layer.trainable = True
     optimizer = make_optimizer(spec)
     if not accumulating:
