@@ -183,6 +183,26 @@ def test_found_case_matches_plain_keras(name, request):
     assert result.passed, result.line()
 
 
+# Axes the fixed sample draws on neither Keras line: a case of each.
+AXES = {
+    # A checkpoint's resumption: saved after the first `fit`, loaded back, trained on.
+    "reload-a-recomputed-masked-tagger-with-per-output-weights": case(
+        family="tagger", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
+        remat="each", refit=True, reload=True,
+    ),
+    # Fine-tuning's second phase: the frozen Embedding trained after a new `compile`.
+    "unfreeze-a-frozen-embedding": case(
+        family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AXES))
+def test_axis_case_matches_plain_keras(name):
+    result = run(AXES[name])
+    assert result.passed, result.line()
+
+
 class TestTheComparison:
     """The fuzzer's comparison can fail: a check that cannot is no check."""
 
