@@ -186,8 +186,8 @@ def test_found_case_matches_plain_keras(name, request):
 # Axes the fixed sample draws on neither Keras line: a case of each.
 AXES = {
     # A checkpoint's resumption: saved after the first `fit`, loaded back, trained on.
-    "reload-a-recomputed-masked-tagger-with-per-output-weights": case(
-        family="tagger", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
+    "reload-recomputed-masked-pooling-with-per-output-weights": case(
+        family="pooled", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
         remat="each", refit=True, reload=True,
     ),
     # Fine-tuning's second phase: the frozen Embedding trained after a new `compile`.
