@@ -332,10 +332,12 @@ def test_later_epochs_start_their_steps_with_the_memory_of_the_first():
     assert len(first) == 2
     for later in starts.starts[1:]:
         # What stayed would be in use at every later step (4 MiB and more).
-        # One step's start is not a steady figure on tf_keras: the step after
-        # an epoch's first starts with one batch more or not (8.5 or 12.2 MiB,
-        # with no garbage to collect), as TensorFlow's threads run ahead.
-        assert abs(min(later[1:]) - min(first)) <= MIB / 4, starts.starts
+        # One step's start is not a steady figure: the step after an epoch's
+        # first starts with one batch more or not (tf_keras: 8.5 or 12.2 MiB,
+        # with no garbage to collect), as TensorFlow's threads run ahead; in
+        # one CI run on Keras 3 the first epochs' did and the third's did not
+        # (21.25 MB against 17.57): a later epoch may start lower, not higher.
+        assert min(later[1:]) - min(first) <= MIB / 4, starts.starts
 
 
 def test_the_callback_keeps_figures_of_a_backoff_not_the_error():
