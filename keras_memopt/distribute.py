@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _keras
+from keras_memopt import _autograph, _keras
 
 __all__ = ["local_variables", "multi_worker", "reduce_per_replica", "step_function", "writes_files"]
 
@@ -178,8 +178,5 @@ def compiled(model, function):
     if model.run_eagerly:
         return function
     jit_compile = False if _keras.LEGACY else bool(model.jit_compile)
-    # As each line's own step functions: tf_keras converts the step with
-    # AutoGraph, Keras 3 does not.
-    return tf.function(
-        function, reduce_retracing=True, jit_compile=jit_compile, autograph=_keras.LEGACY
-    )
+    # As each line's own step functions call `train_step`: not converted.
+    return _autograph.function(function, reduce_retracing=True, jit_compile=jit_compile)

@@ -468,3 +468,69 @@ class TestWarning:
         with pytest.raises(ValueError, match=r"`compute_loss` is not.*weighted by its share"):
             model.fit(rng.normal(size=(16, 6)), rng.normal(size=16), batch_size=16, verbose=0)
         assert int(model.optimizer.iterations) == 0
+
+
+
+@pytest.mark.skipif(not LEGACY, reason="Keras 3 converts no layer's `call` with AutoGraph")
+class TestAutoGraph:
+    """The user's Python control flow on tensors runs in the graph where plain tf_keras's does.
+
+    tf_keras converts a subclassed layer's `call` with AutoGraph, and not the
+    `train_step` or `compute_loss` its step functions call; the package's step
+    functions convert nothing of their own either.
+    """
+
+    @staticmethod
+    def _fit(model):
+        rng = np.random.RandomState(0)
+        x, y = rng.normal(size=(40, 6)), rng.normal(size=(40, 2))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model, history.history
+
+    def test_a_branch_in_the_call_of_a_subclassed_model_runs_as_in_plain_tf_keras(self):
+        # The kernel's mean falls from 0.0965 (0.0956, 0.0936, 0.0923 after the
+        # first three steps, plain tf_keras): the branch switches at the fourth of six.
+        threshold = 0.093
+
+        def build(cls, **kwargs):
+            class Branching(cls):
+                def __init__(self, **kwargs):
+                    super().__init__(**kwargs)
+                    self.hidden, self.head = layers.Dense(8), layers.Dense(2)
+
+                def call(self, inputs):
+                    hidden = self.hidden(inputs)
+                    # A `tf.cond` by AutoGraph, on the weights (the same for every
+                    # micro-batch); it switches within the test's steps.
+                    if tf.reduce_mean(self.hidden.kernel) > threshold:
+                        hidden = tf.nn.relu(hidden)
+                    else:
+                        hidden = tf.tanh(hidden)
+                    return self.head(hidden)
+
+            keras.utils.set_random_seed(0)
+            model = Branching(**kwargs)
+            model(np.zeros((1, 6), "float32"))  # built eagerly
+            return model
+
+        plain = build(keras.Model)
+        assert float(tf.reduce_mean(plain.hidden.kernel)) > threshold
+        plain = self._fit(plain)
+        assert float(tf.reduce_mean(plain[0].hidden.kernel)) < threshold  # both branches ran
+        _assert_same(plain, self._fit(build(AccumulatingModel, **MICRO)))
+
+    @pytest.mark.parametrize("cls", [keras.Model, AccumulatingModel])
+    def test_a_branch_in_a_custom_train_step_is_refused_as_in_plain_tf_keras(self, cls):
+        class Step(cls):
+            def train_step(self, data):
+                logs = super().train_step(data)
+                if logs["loss"] > 1.0:
+                    logs["large"] = logs["loss"]
+                return logs
+
+        inputs = keras.Input((6,))
+        kwargs = MICRO if cls is AccumulatingModel else {}
+        model = Step(inputs, layers.Dense(2)(inputs), **kwargs)
+        with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+            self._fit(model)

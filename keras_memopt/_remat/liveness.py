@@ -43,6 +43,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from keras_memopt import _autograph
 from keras_memopt._remat import loops as _loops
 from keras_memopt._remat.loops import list_bytes, tensor_bytes
 
@@ -449,7 +450,7 @@ def trace(call, specs, variables):
                 kept.append(gradient)
         return gradients
 
-    function = tf.function(step, input_signature=specs, autograph=False)
+    function = _autograph.function(step, input_signature=specs)
     replica = contextlib.nullcontext()
     if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
         replica = tf.distribute.ReplicaContext(tf.distribute.get_strategy(), 0)

@@ -33,6 +33,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_memopt import _autograph
 from keras_memopt._oom.errors import GRADIENT_SUM_SCOPE
 
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
@@ -169,7 +170,7 @@ def micro_function(fn, data, *args, jit_compile=False):
     there keeps more memory alive (measured: +40% peak at two micro-batches).
     With XLA it is the compiled `tf.function`.
     """
-    function = tf.function(fn, jit_compile=jit_compile, autograph=False)
+    function = _autograph.function(fn, jit_compile=jit_compile)
     # Any length of the extra arguments (per-output counts, say) fits the trace.
     arg_specs = [
         tf.TensorSpec([None] * a.shape.rank, a.dtype) if tf.is_tensor(a) else a for a in args
