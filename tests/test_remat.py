@@ -260,14 +260,17 @@ class TestRemat:
     def test_a_keras_mask_reaches_the_wrapped_layer_and_passes_on(self):
         # Without the mask the wrapped GRU ran over the padding and the loss
         # counted it: weights 0.017 from the unwrapped model's after two steps.
-        # A Dense takes no mask but passes it on.
+        # A Dense takes no mask but passes it on. A SimpleRNN reads the mask as a
+        # GRU does (Keras's `RNN`), with less to trace on tf_keras, whose GRU
+        # builds a CPU and a cuDNN implementation in every traced step.
         def tagger(wrap):
             keras.utils.set_random_seed(0)
             inputs = keras.Input((10,), dtype="int32")
             x = layers.Embedding(30, 6, mask_zero=True)(inputs)
-            dense, gru = layers.Dense(6, activation="tanh"), layers.GRU(5, return_sequences=True)
+            dense = layers.Dense(6, activation="tanh")
+            rnn = layers.SimpleRNN(5, return_sequences=True)
             x = (Remat(dense) if wrap else dense)(x)
-            x = (Remat(gru) if wrap else gru)(x)
+            x = (Remat(rnn) if wrap else rnn)(x)
             return AccumulatingModel(inputs, layers.Dense(3)(x), micro_batch_size=4)
 
         rng = np.random.RandomState(0)
@@ -282,8 +285,8 @@ class TestRemat:
     @pytest.mark.parametrize("form", ["remat", "segments"])
     def test_the_recomputation_reads_the_keras_mask_of_its_inputs(self, form):
         # The backward pass recomputes from new tensors, which need the mask
-        # of the forward pass's: a bidirectional GRU reads it from both ends,
-        # so without it the padding counts. Here the GRU is inside a block
+        # of the forward pass's: a bidirectional RNN reads it from both ends,
+        # so without it the padding counts. Here the RNN is inside a block
         # whose `call` takes no mask (`Remat`), or starts a segment.
         if form == "segments" and not LEGACY:
             pytest.skip("Keras 3's graph computes the mask from the input: no cut after it")
@@ -339,16 +342,17 @@ class TestRemat:
 
 
 class _MaskReadingBlock(layers.Layer):
-    """A bidirectional GRU inside a layer whose `call` takes no mask: the GRU
-    reads the Keras mask its input tensor carries."""
+    """A bidirectional RNN inside a layer whose `call` takes no mask: the RNN
+    reads the Keras mask its input tensor carries (a SimpleRNN: see
+    `test_a_keras_mask_reaches_the_wrapped_layer_and_passes_on`)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.gru = layers.Bidirectional(layers.GRU(5, return_sequences=True))
+        self.rnn = layers.Bidirectional(layers.SimpleRNN(5, return_sequences=True))
         self.supports_masking = True
 
     def call(self, inputs):
-        return self.gru(inputs)
+        return self.rnn(inputs)
 
 
 def _residual_auto(micro_batch_size):
