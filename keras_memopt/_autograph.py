@@ -9,9 +9,9 @@ for everything it calls, and such a `call` failed in an `AccumulatingModel`
 with `OperatorNotAllowedInGraphError`. `tf.function(autograph=True)` converts
 the package's own code as well, which needs no conversion (Keras 3 converts
 nothing) and took tf_keras about 2.5 s of CPU at each process's first step.
-On tf_keras, `function` leaves the choice open, as tf_keras's own step
-functions do; on Keras 3 it turns AutoGraph off, as Keras 3's own step
-functions do (`tf.autograph.experimental.do_not_convert`).
+`function` leaves the choice open, as tf_keras's own step functions do. On
+Keras 3 nothing reads it: its layers and losses are not converted, and
+`strategy.run` converts nothing unless AutoGraph is on.
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ import tensorflow as tf
 # `tf.__internal__.autograph.control_status_ctx()`.
 from tensorflow.python.autograph.core import ag_ctx
 
-from keras_memopt import _keras
-
 
 def function(fn, **kwargs):
-    """`tf.function(fn, autograph=False, **kwargs)`; on tf_keras, AutoGraph left to its callees."""
-    if not _keras.LEGACY:
-        return tf.function(fn, autograph=False, **kwargs)
+    """`tf.function(fn, autograph=False, **kwargs)`, AutoGraph left to the code `fn` calls."""
 
     @functools.wraps(fn)
     def open_choice(*args, **kw):
