@@ -470,7 +470,6 @@ class TestWarning:
         assert int(model.optimizer.iterations) == 0
 
 
-
 @pytest.mark.skipif(not LEGACY, reason="Keras 3 converts no layer's `call` with AutoGraph")
 class TestAutoGraph:
     """The user's Python control flow on tensors runs in the graph where plain tf_keras's does.
