@@ -29,6 +29,8 @@ FAMILIES = (*LINEAR_FAMILIES, "attention", "two_inputs", "ragged")
 JIT_FAMILIES = ("dense", "conv1d", "conv2d", "pooled")
 # The families whose token ids may come as words instead (`Spec.strings`).
 TOKEN_FAMILIES = ("pooled", "recurrent", "tagger", "attention", "two_inputs")
+# The families whose trunk is a chain of layers, which may come as a nested model.
+NESTABLE_FAMILIES = ("dense", "conv1d", "conv2d", "pooled", "recurrent", "tagger")
 WORDS = [f"w{i}" for i in range(1, VOCAB)]  # id i is word `WORDS[i - 1]`; "" pads
 OPTIMIZERS = [
     name
@@ -139,6 +141,17 @@ class Spec:
     # Fine-tuning's second phase: before the `refit`, the frozen layer is made
     # trainable and the model compiled again with a fresh optimizer.
     unfreeze: bool = False
+    # A `kernel_constraint` on the heads ("max_norm" or "non_neg"), which the
+    # optimizer applies after each update.
+    constraint: str | None = None
+    # The Embedding with an `embeddings_regularizer`: its gradient is the
+    # lookup's sparse rows plus the penalty's dense table.
+    embedding_penalty: bool = False
+    # Two Dense layers after the trunk, the second applied twice: shared weights,
+    # whose gradient sums two uses.
+    shared: bool = False
+    # The trunk's layers in a `keras.Sequential` nested in the model (a backbone).
+    nested: bool = False
 
     def describe(self):
         parts = [
@@ -153,11 +166,14 @@ class Spec:
             parts.append(f"remat={self.remat}")
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
-                 "pruned", "run_eagerly", "strings", "reload", "unfreeze")
+                 "pruned", "run_eagerly", "strings", "reload", "unfreeze",
+                 "embedding_penalty", "shared", "nested")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
             parts.append(f"frozen={self.frozen}")
+        if self.constraint:
+            parts.append(f"constraint={self.constraint}")
         for flag in flags:
             if getattr(self, flag):
                 parts.append(flag)
@@ -330,7 +346,13 @@ def draw(seed: int) -> Spec:
     # layer with an activity regulariser is refused in a segment, as above).
     if spec.build != "subclassed" and not spec.regularize and r.random() < 0.25:
         spec = dataclasses.replace(spec, remat="auto")
-    if not spec.jit_compile and r.random() < 0.1:
+    # Plain tf_keras run eagerly builds its optimizer at the first update, after
+    # tfmot's wrappers masked the kernels in the forward pass: its EMA averages
+    # start from the masked kernels, where its graph run's (and an
+    # AccumulatingModel's, either way) start from the kernels (seed 91031: plain
+    # eager 1.3e-3 from plain graph; the AccumulatingModel eager 5.6e-17 from it).
+    ema_pruned = spec.pruned and dict(spec.optimizer_options).get("use_ema")
+    if not spec.jit_compile and r.random() < 0.1 and not ema_pruned:
         spec = dataclasses.replace(spec, run_eagerly=True)
     if spec.remat == "auto" and r.random() < 0.5:
         spec = dataclasses.replace(spec, remat="auto4096")
@@ -349,6 +371,14 @@ def draw(seed: int) -> Spec:
         spec = dataclasses.replace(spec, reload=True, refit=True)
     if spec.frozen is not None and r.random() < 0.5:
         spec = dataclasses.replace(spec, unfreeze=True, refit=True)
+    # A Sequential applies each layer once; a sparse batch is fed to the model's
+    # own input only.
+    spec = dataclasses.replace(
+        spec, constraint=r.choice([None, None, None, None, "max_norm", "non_neg"]),
+        embedding_penalty=spec.family in TOKEN_FAMILIES and r.random() < 0.25,
+        shared=spec.build != "sequential" and r.random() < 0.2,
+        nested=spec.family in NESTABLE_FAMILIES and r.random() < 0.2,
+    )
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -415,7 +445,9 @@ def _trunk(spec):
             activity_regularizer=keras.regularizers.L1(1e-3),
         )
     family = spec.family
-    embedding = layers.Embedding(VOCAB, 6, mask_zero=spec.mask_zero)
+    penalty = keras.regularizers.L2(1e-2) if spec.embedding_penalty else None
+    embedding = layers.Embedding(VOCAB, 6, mask_zero=spec.mask_zero,
+                                 embeddings_regularizer=penalty)
     if family == "dense":
         parts = [layers.Dense(8, activation="tanh", **regularizers), layers.LayerNormalization(),
                  layers.Dense(8, activation="relu")]
@@ -452,9 +484,11 @@ def _trunk(spec):
 def _head_layer(spec, head, index):
     units = {"sparse": CLASSES, "categorical": CLASSES}.get(head.kind, 1)
     initializer = keras.initializers.RandomNormal(stddev=4.0 if head.confident else 0.3)
+    constraint = {"max_norm": keras.constraints.MaxNorm(1.0),
+                  "non_neg": keras.constraints.NonNeg()}.get(spec.constraint)
     return layers.Dense(
         units, activation=head.activation, kernel_initializer=initializer,
-        name=output_names(spec)[index],
+        kernel_constraint=constraint, name=output_names(spec)[index],
     )
 
 
@@ -482,11 +516,20 @@ def make_layers(spec):
     heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
     if spec.pruned:
         heads = [_pruned(head) for head in heads]
-    parts = {"trunk": _trunk(spec), "heads": heads}
+    trunk = _trunk(spec)
+    if spec.frozen is not None:
+        trunk[min(spec.frozen, len(trunk) - 1)].trainable = False
+    if spec.nested:
+        # A layer that adds a loss stays outside, after it (a recomputed segment
+        # refuses one: its own tests).
+        penalties = [layer for layer in trunk if isinstance(layer, (MeanPenalty, SumPenalty))]
+        inner = [layer for layer in trunk if layer not in penalties]
+        trunk = [keras.Sequential(inner, name="backbone"), *penalties]
+    parts = {"trunk": trunk, "heads": heads}
+    if spec.shared:
+        parts["shared"] = [layers.Dense(8, activation="tanh"), layers.Dense(8, activation="tanh")]
     if spec.strings:
         parts["lookup"] = layers.StringLookup(vocabulary=WORDS, mask_token="", num_oov_indices=0)
-    if spec.frozen is not None:
-        parts["trunk"][min(spec.frozen, len(parts["trunk"]) - 1)].trainable = False
     if spec.oom_at:
         parts["fault"] = OutOfMemoryOnce(name="fault")  # armed by `arm_fault`
     return parts
@@ -523,6 +566,9 @@ def _apply(spec, parts, inputs):
         x, rest = inputs, trunk
     for layer in rest:
         x = layer(x)
+    if "shared" in parts:
+        project, shared = parts["shared"]
+        x = shared(shared(project(x)))
     if "fault" in parts:
         x = parts["fault"](x)
     results = [head(x) for head in parts["heads"]]
@@ -560,7 +606,8 @@ def _subclass(base, spec):
         base.__init__(self, **kwargs)
         parts = make_layers(spec)
         if spec.remat and base is AccumulatingModel:
-            parts["trunk"] = [_wrapped(layer) for layer in parts["trunk"]]
+            for key in {"trunk", "shared"} & parts.keys():
+                parts[key] = [_wrapped(layer) for layer in parts[key]]
         self.parts = parts
 
     def call(self, inputs):

@@ -190,6 +190,11 @@ AXES = {
         family="pooled", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
         remat="each", refit=True, reload=True,
     ),
+    # A layer called twice inside a recomputed segment (its outputs are no cut points;
+    # Keras 3 builds no segment that starts at one and calls the layer again).
+    "shared-layer-in-recomputed-segments": case(
+        family="conv1d", shared=True, remat="each", nested=True, constraint="max_norm",
+    ),
     # Fine-tuning's second phase: the frozen Embedding trained after a new `compile`.
     "unfreeze-a-frozen-embedding": case(
         family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,

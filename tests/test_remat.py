@@ -65,6 +65,19 @@ def _residual(blocks=4, width=16):
     return AccumulatingModel(inputs, layers.Dense(3, name="head")(x), remat=None)
 
 
+def _shared_chain(cls, **kwargs):
+    """A chain of Dense layers in which one layer is called twice (tied weights)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    shared = layers.Dense(64, activation="tanh", name="shared")
+    x = inputs
+    for i in range(8):
+        x = layers.Dense(64, activation="relu", name=f"dense{i}")(x)
+        if i in (2, 5):
+            x = shared(x)
+    return cls(inputs, layers.Dense(3, name="head")(x), **kwargs)
+
+
 def _data(n=64, features=16, classes=3, seed=0):
     rng = np.random.RandomState(seed)
     return rng.rand(n, features).astype("float32"), rng.randint(0, classes, n)
@@ -406,6 +419,23 @@ class TestSegmentChoice:
         with pytest.warns(UserWarning, match="could not be traced .*TypeError: a layer needs"):
             model = _residual_auto(4096)
         assert model.recomputed_segments == []
+
+    def test_auto_cuts_around_a_layer_called_twice(self):
+        # A shared layer's output is no cut point: Keras 3 builds no model that
+        # starts at it and calls the layer again (before, the trace failed and
+        # nothing was recomputed).
+        model = _shared_chain(AccumulatingModel, micro_batch_size=4096)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.remat = "auto"
+        ends = [segment[-1] for segment in model.recomputed_segments]
+        assert ends and "shared" not in ends, ends
+        assert any(segment.count("shared") for segment in model.recomputed_segments)
+        x, y = _data()
+        model.micro_batch_size = 16
+        plain = _fit(_shared_chain(keras.Model), x, y)
+        _fit(model, x, y)
+        _assert_same_state(plain, model)
 
     def test_summary_says_what_auto_chose_and_why(self):
         model = _residual_auto(4096)
@@ -767,6 +797,10 @@ class TestBadInput:
         with pytest.raises(ValueError, match=message):
             model.remat = ["block1_a"]
         assert model.remat is None and model.recomputed_segments == []
+
+    def test_a_layer_called_twice_is_refused(self):
+        with pytest.raises(ValueError, match="'shared' is called 2 times .*remat=\\['shared'\\]"):
+            _shared_chain(AccumulatingModel, remat=["shared"])
 
     def test_input_layer_and_output_layer_are_refused(self):
         with pytest.raises(ValueError, match="'x' is an input.*nothing before it"):

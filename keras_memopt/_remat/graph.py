@@ -8,6 +8,8 @@ through. `Graph` finds them; `named_cuts` checks the layers a user names.
 
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 
 from keras_memopt import _keras
@@ -20,6 +22,7 @@ class Graph:
     def __init__(self, model):
         self.nodes = _keras.functional_nodes(model)
         count = len(self.nodes)
+        self.calls = collections.Counter(id(layer) for layer, _, _ in self.nodes)
         producer = {}
         for index, (_, _, outputs) in enumerate(self.nodes):
             for tensor in outputs:
@@ -79,9 +82,14 @@ class Graph:
         return None
 
     def separates(self, index):
-        outputs = self.nodes[index][2]
+        """Whether node `index`'s output is a cut point: a single tensor that
+        separates the graph, of a layer called once (a shared layer's output is
+        not one point; Keras 3 builds no model that starts at it and calls the
+        layer again)."""
+        layer, _, outputs = self.nodes[index]
         return (
             len(outputs) == 1
+            and self.calls[id(layer)] == 1
             and not self.is_input(index)
             and id(outputs[0]) not in self.output_ids
             and self.bypass(index) is None
