@@ -26,8 +26,9 @@ words through a `StringLookup` in the model, both models saved to a `.keras`
 file after their first `fit` and loaded back to go on training, and the
 frozen layer made trainable before the second `fit` with the model compiled
 again (fine-tuning's second phase), a kernel constraint on the heads, an
-`embeddings_regularizer`, a Dense layer called twice (shared weights) and the
-trunk as a `keras.Sequential` nested in the model.
+`embeddings_regularizer`, a Dense layer called twice (shared weights), the
+trunk as a `keras.Sequential` nested in the model, and a layer that updates
+metrics of its own in `call`.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with

@@ -152,6 +152,9 @@ class Spec:
     shared: bool = False
     # The trunk's layers in a `keras.Sequential` nested in the model (a backbone).
     nested: bool = False
+    # A layer before the heads that updates metrics of its own in `call` (a mean, a
+    # sum over the samples and every element), which `fit` and `evaluate` log.
+    monitored: bool = False
 
     def describe(self):
         parts = [
@@ -167,7 +170,7 @@ class Spec:
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
                  "pruned", "run_eagerly", "strings", "reload", "unfreeze",
-                 "embedding_penalty", "shared", "nested")
+                 "embedding_penalty", "shared", "nested", "monitored")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -379,6 +382,7 @@ def draw(seed: int) -> Spec:
         shared=spec.build != "sequential" and r.random() < 0.2,
         nested=spec.family in NESTABLE_FAMILIES and r.random() < 0.2,
     )
+    spec = dataclasses.replace(spec, monitored=r.random() < 0.2)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -404,6 +408,25 @@ class MeanPenalty(layers.Layer):
 
     def call(self, inputs):
         self.add_loss(1e-2 * tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+class Monitored(layers.Layer):
+    """Passes its inputs on and updates three metrics of its own with them: their
+    mean (one value per call), their sum over the samples (one value) and every
+    element (a tensor)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.mean = keras.metrics.Mean(name="activation_mean")
+        self.sum = keras.metrics.Mean(name="activation_sum")
+        self.elements = keras.metrics.Mean(name="activation_elements")
+
+    def call(self, inputs):
+        self.mean.update_state(tf.reduce_mean(inputs))
+        self.sum.update_state(tf.reduce_sum(inputs))
+        self.elements.update_state(inputs)
         return inputs
 
 
@@ -528,6 +551,8 @@ def make_layers(spec):
     parts = {"trunk": trunk, "heads": heads}
     if spec.shared:
         parts["shared"] = [layers.Dense(8, activation="tanh"), layers.Dense(8, activation="tanh")]
+    if spec.monitored:
+        parts["monitored"] = Monitored(name="monitored")
     if spec.strings:
         parts["lookup"] = layers.StringLookup(vocabulary=WORDS, mask_token="", num_oov_indices=0)
     if spec.oom_at:
@@ -569,6 +594,8 @@ def _apply(spec, parts, inputs):
     if "shared" in parts:
         project, shared = parts["shared"]
         x = shared(shared(project(x)))
+    if "monitored" in parts:
+        x = parts["monitored"](x)
     if "fault" in parts:
         x = parts["fault"](x)
     results = [head(x) for head in parts["heads"]]
@@ -628,10 +655,10 @@ def build_model(spec, accumulating: bool, sample_x):
         return model
     parts = make_layers(spec)
     if spec.build == "sequential":
-        fault = [parts["fault"]] if "fault" in parts else []
+        before_heads = [parts[key] for key in ("monitored", "fault") if key in parts]
         lookup = [parts["lookup"]] if "lookup" in parts else []
         plain = keras.Sequential(
-            [_inputs(spec), *lookup, *parts["trunk"], *fault, *parts["heads"]]
+            [_inputs(spec), *lookup, *parts["trunk"], *before_heads, *parts["heads"]]
         )
     else:
         inputs = _inputs(spec)
@@ -790,7 +817,7 @@ def _loss(head, name=None):
 
 def custom_objects():
     """What `keras.models.load_model` needs to revive the cases' own parts."""
-    return {cls.__name__: cls for cls in (MeanPenalty, SumPenalty, RaggedMean)} | {
+    return {cls.__name__: cls for cls in (MeanPenalty, SumPenalty, RaggedMean, Monitored)} | {
         "soft_dice": soft_dice
     }
 

@@ -195,6 +195,11 @@ AXES = {
     "shared-layer-in-recomputed-segments": case(
         family="conv1d", shared=True, remat="each", nested=True, constraint="max_norm",
     ),
+    # Metrics a layer updates in `call`, on a masked tagger whose loss counts tokens in a
+    # forward pass of its own, in a recomputed segment (which runs the layer again).
+    "layer-metrics-in-a-recomputed-masked-tagger": case(
+        family="tagger", mask_zero=True, recurrent="SimpleRNN", monitored=True, remat="each",
+    ),
     # Fine-tuning's second phase: the frozen Embedding trained after a new `compile`.
     "unfreeze-a-frozen-embedding": case(
         family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,

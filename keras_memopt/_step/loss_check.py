@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._oom import rollback as _rollback
 from keras_memopt._step import batch_dependence as _batch_dependence
+from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
 
 MEAN, SUM = "mean", "sum"
@@ -60,6 +61,8 @@ class LossForm:
     terms: tuple[str, ...] = ()
     ignore_classes: tuple = ()
     masked: bool = False
+    # One kind per `Mean` metric the layers update in `call` (`layer_metrics.classify`).
+    metrics: tuple = ()
 
     @property
     def counted_by(self) -> str | None:
@@ -106,16 +109,20 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
         return LossForm()
     pair = first_samples(x, 2), first_samples(y, 2)
     twice = repeat(pair[0]), repeat(pair[1])
-    _keras.build_step_state(model, *pair)
-    # What the probes change (metrics, random seeds, counters) is put back.
+    # What the probes change (metrics, random seeds, counters) is put back, and
+    # what tf_keras's forward pass that builds the compiled metrics adds to the
+    # layers' own metrics.
     snapshot = _rollback.Snapshot(
         lambda: _rollback.loop_variables(model), model.distribute_strategy
     )
     taken = snapshot.take()
+    _keras.build_step_state(model, *pair)
     classes = ignore_classes(model, y)
     try:
         once = _probe(model, pair, classes, None if whole_batch_loss else split)
         again, doubled = _probe(model, pair, classes, None), _probe(model, twice, classes, None)
+        alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
+        metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
         _batch_dependence.warn(model, x)
     finally:
         for metric in model.metrics:  # the loss trackers may be new
@@ -142,7 +149,7 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
                 f"does not. Received: model.losses[{index}]"
             )
         terms.append(kind)
-    return LossForm(tuple(terms), classes, masked=bool(once[-1]))
+    return LossForm(tuple(terms), classes, masked=bool(once[-1]), metrics=metrics)
 
 
 def _coupled_message(model, changed):

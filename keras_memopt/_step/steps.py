@@ -26,7 +26,9 @@ import functools
 import tensorflow as tf
 
 from keras_memopt import _keras, distribute
+from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
+from keras_memopt._step import loss_check as _loss_check
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import per_update as _per_update
 from keras_memopt._step import shares as _shares
@@ -132,7 +134,9 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of(data)
         size = self._run.setting.size_tensor(replica_batch)
         jit = self._run.jit_compile
-        counts = self._run.loss_split.batch_counts(self._forward, data, size, jit_compile=jit)
+        counts = self._run.loss_split.batch_counts(
+            self._forward_uncounted, data, size, jit_compile=jit
+        )
         trackers = _losses.OutputLossTrackers(self)
         outputs = _loop.accumulate(
             micro_step, data, size, counts, jit_compile=jit, reductions=reductions
@@ -162,7 +166,7 @@ class MicroBatchSteps:
         per_update = _per_update.PerUpdate(self)  # tfmot's: advanced once per update
         starts = per_update.starts()
 
-        def micro_step(micro, counts):
+        def micro_pass(micro, counts):
             micro_x, micro_y, micro_weight = micro
             restarts = per_update.restart(starts)
             with tf.control_dependencies(restarts), tf.GradientTape() as tape:
@@ -174,6 +178,10 @@ class MicroBatchSteps:
             gradients = tape.gradient(scaled, variables)
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return _loop.widened(loss), gradients, per_update.extremes()
+
+        def micro_step(micro, counts):
+            step = functools.partial(micro_pass, micro, counts)
+            return self._layer_metrics_weighted(micro, replica_batch, step)
 
         reductions = ("sum", ["sum"] * len(variables), per_update.reductions())
         (loss, gradients, extremes), scale = self._micro_batch_pass(
@@ -208,7 +216,9 @@ class MicroBatchSteps:
 
         def forward(micro):
             share = _loop.share_of(_loop.batch_size_of(micro), replica_batch)
-            y_pred = self._forward(micro[0], training=training)
+            y_pred = self._layer_metrics_weighted(
+                micro, replica_batch, lambda: self._forward(micro[0], training=training)
+            )
             return y_pred, self._run.loss_split.penalty(share)
 
         def loss_fn(y_pred, penalty):
@@ -227,6 +237,18 @@ class MicroBatchSteps:
         _keras.update_metrics(self, x, y, y_pred, sample_weight)
         return _loop.widened(loss), replica_batch, gradients
 
+    def _layer_metrics_weighted(self, micro, batch_size, fn):
+        """`fn()`, with what it adds to the layers' own metrics weighted by the
+        micro-batch's share of `batch_size` samples (`keras_memopt._step.layer_metrics`)."""
+        share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
+        kinds = (self._run.loss_split.form or _loss_check.LossForm()).metrics
+        return _layer_metrics.weighted(self, kinds, share, fn)
+
+    def _forward_uncounted(self, x, training):
+        """`_forward`, leaving the layers' own metrics as they were: a pass that is not
+        the step's (the counts of a masked output's loss)."""
+        return _layer_metrics.weighted(self, (), None, lambda: self._forward(x, training=training))
+
     # -- evaluation and prediction -------------------------------------------------
 
     def test_step(self, data):
@@ -240,7 +262,7 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._run.replica_shares)
 
-        def micro_step(micro, counts):
+        def micro_pass(micro, counts):
             micro_x, micro_y, micro_weight = micro
             y_pred = self._forward(micro_x, training=False)
             loss = self._run.loss_split.micro_batch_loss(
@@ -248,6 +270,10 @@ class MicroBatchSteps:
             )
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return _loop.widened(loss)
+
+        def micro_step(micro, counts):
+            step = functools.partial(micro_pass, micro, counts)
+            return self._layer_metrics_weighted(micro, replica_batch, step)
 
         loss, scale = self._micro_batch_pass(micro_step, (x, y, sample_weight), batch_size)
         return loss * tf.cast(scale, loss.dtype), replica_batch

@@ -1,0 +1,103 @@
+"""Metrics that layers update in `call` (tf_keras's `add_metric`, a layer's own
+`keras.metrics.Mean`): logged as plain Keras logs them at the whole batch."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _fuzz_cases import Monitored
+from _oracles import dense_gradients
+from conftest import LEGACY
+
+from keras_memopt import AccumulatingModel
+from keras_memopt._keras import keras
+
+layers = keras.layers
+
+
+class AddedMetrics(layers.Layer):
+    """tf_keras's `add_metric`: a mean and a sum over the samples."""
+
+    def call(self, inputs):
+        self.add_metric(tf.reduce_mean(inputs), name="added_mean")
+        self.add_metric(tf.reduce_sum(tf.abs(inputs)), name="added_sum")
+        return inputs
+
+
+def _model(cls, family, **kwargs):
+    keras.utils.set_random_seed(0)
+    if family == "mlp":
+        inputs = keras.Input((6,))
+        x = layers.Dense(5, activation="tanh")(inputs)
+    else:  # a tagger: Embedding(mask_zero), whose loss counts unmasked tokens
+        inputs = keras.Input((7,), dtype="int32")
+        x = layers.Embedding(20, 5, mask_zero=True)(inputs)
+    x = Monitored()(x)
+    if LEGACY:
+        x = AddedMetrics()(x)
+    model = cls(inputs, layers.Dense(3)(x), **kwargs)
+    optimizer = keras.optimizers.Adam(0.01)
+    if cls is not AccumulatingModel:  # the Embedding's oracle (docs/accumulation.md)
+        optimizer = dense_gradients(optimizer)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(family, n=22):
+    rng = np.random.RandomState(0)
+    if family == "mlp":
+        return rng.normal(size=(n, 6)).astype("float32"), rng.randint(0, 3, n)
+    tokens = rng.randint(1, 20, size=(n, 7))
+    tokens[np.arange(7)[None, :] >= rng.randint(2, 8, size=n)[:, None]] = 0
+    return tokens, rng.randint(0, 3, size=(n, 7))
+
+
+def _train(model, x, y):
+    history = model.fit(
+        x, y, batch_size=10, epochs=2, validation_data=(x, y), shuffle=False, verbose=0
+    ).history
+    return history, model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+
+
+@pytest.mark.parametrize(
+    "family, whole_batch_loss", [("mlp", False), ("tagger", False), ("mlp", True)]
+)
+def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, whole_batch_loss):
+    x, y = _data(family)
+    plain = _train(_model(keras.Model, family), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each is a mean, a sum or per element
+        model = _model(
+            AccumulatingModel, family, micro_batch_size=3, whole_batch_loss=whole_batch_loss
+        )
+        accumulated = _train(model, x, y)
+    names = {"activation_mean", "activation_sum", "activation_elements"}
+    names |= {"added_mean", "added_sum"} if LEGACY else set()
+    assert names <= set(plain[0]), plain[0]
+    assert set(plain[0]) == set(accumulated[0])
+    for key, values in plain[0].items():
+        np.testing.assert_allclose(accumulated[0][key], values, rtol=2e-5, err_msg=key)
+    assert set(plain[1]) == set(accumulated[1])
+    for key, value in plain[1].items():
+        np.testing.assert_allclose(accumulated[1][key], value, rtol=2e-5, err_msg=key)
+
+
+class Maximum(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.highest = keras.metrics.Mean(name="activation_max")
+
+    def call(self, inputs):
+        self.highest.update_state(tf.reduce_max(inputs))
+        return inputs
+
+
+def test_a_metric_that_is_no_mean_sum_or_per_sample_is_named_in_a_warning():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = AccumulatingModel(inputs, layers.Dense(3)(Maximum()(inputs)), micro_batch_size=3)
+    model.compile("sgd", "mse")
+    x, _ = _data("mlp")
+    with pytest.warns(UserWarning, match="'activation_max', which a layer updates in `call`"):
+        model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)
