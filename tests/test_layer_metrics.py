@@ -30,6 +30,9 @@ def _model(cls, family, **kwargs):
     if family == "mlp":
         inputs = keras.Input((6,))
         x = layers.Dense(5, activation="tanh")(inputs)
+    elif family == "normalized":  # the sum of its outputs is zero at the initial weights
+        inputs = keras.Input((6,))
+        x = layers.LayerNormalization()(layers.Dense(5)(inputs))
     else:  # a tagger: Embedding(mask_zero), whose loss counts unmasked tokens
         inputs = keras.Input((7,), dtype="int32")
         x = layers.Embedding(20, 5, mask_zero=True)(inputs)
@@ -46,7 +49,7 @@ def _model(cls, family, **kwargs):
 
 def _data(family, n=22):
     rng = np.random.RandomState(0)
-    if family == "mlp":
+    if family in ("mlp", "normalized"):
         return rng.normal(size=(n, 6)).astype("float32"), rng.randint(0, 3, n)
     tokens = rng.randint(1, 20, size=(n, 7))
     tokens[np.arange(7)[None, :] >= rng.randint(2, 8, size=n)[:, None]] = 0
@@ -61,7 +64,8 @@ def _train(model, x, y):
 
 
 @pytest.mark.parametrize(
-    "family, whole_batch_loss", [("mlp", False), ("tagger", False), ("mlp", True)]
+    "family, whole_batch_loss",
+    [("mlp", False), ("tagger", False), ("normalized", False), ("mlp", True)],
 )
 def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, whole_batch_loss):
     x, y = _data(family)

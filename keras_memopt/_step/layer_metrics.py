@@ -21,6 +21,7 @@ masked output's loss) leaves them as they were.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import tensorflow as tf
@@ -52,7 +53,8 @@ def classify(model, once, twice, alone) -> tuple:
     """The kind of each of `layer_means(model)` (ELEMENTS, MEAN, SUM or None),
     from forward passes on the inputs `once` (a few samples), `twice` (the same
     samples repeated) and each of `alone` (one of those samples), in the
-    strategy's replicas. What they change is the caller's to put back."""
+    strategy's replicas, at perturbed weights (put back after). What they change
+    in the metrics is the caller's to put back."""
     means = layer_means(model)
     if not means:
         return ()
@@ -62,7 +64,8 @@ def classify(model, once, twice, alone) -> tuple:
         values = strategy.run(_deltas, args=(model, means, x))
         return strategy.experimental_local_results(values)[0].numpy()
 
-    probes = [deltas(x) for x in (once, twice, *alone)]
+    with _perturbed(model.trainable_variables):
+        probes = [deltas(x) for x in (once, twice, *alone)]
     kinds = []
     for index, metric in enumerate(means):
         (total, count), (total2, count2), *singles = (probe[index] for probe in probes)
@@ -77,6 +80,22 @@ def classify(model, once, twice, alone) -> tuple:
             )
         kinds.append(kind)
     return tuple(kinds)
+
+
+@contextlib.contextmanager
+def _perturbed(variables):
+    """The trainable weights moved by a fixed random step, then put back: a value
+    that the initial weights make zero whatever the samples (a sum of a
+    LayerNormalization's outputs, whose offsets start at zero) tells its kind."""
+    kept = [tf.identity(v) for v in variables]
+    for index, variable in enumerate(variables):
+        step = tf.random.stateless_normal(variable.shape, seed=[index, 0], dtype=variable.dtype)
+        variable.assign_add(0.1 * step)
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, kept, strict=True):
+            variable.assign(value)
 
 
 def _deltas(model, means, x):
