@@ -165,6 +165,9 @@ FOUND = {
     # Keras 3 turns `class_weight` into float32 sample weights for a `tf.data.Dataset`;
     # each micro-batch's share was multiplied in as float32 too (1e-8 from float64 Keras).
     "class-weights-with-a-dataset": case(class_weight=True, dataset=True),
+    # A layer's metric of the sum of a LayerNormalization's pooled outputs, zero at the
+    # initial weights whatever the samples: classified as a mean, logged 0.5 off.
+    "layer-metric-zero-at-the-initial-weights": case(family="attention", monitored=True),
 }
 
 
