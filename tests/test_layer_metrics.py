@@ -36,9 +36,9 @@ def _model(cls, family, **kwargs):
     else:  # a tagger: Embedding(mask_zero), whose loss counts unmasked tokens
         inputs = keras.Input((7,), dtype="int32")
         x = layers.Embedding(20, 5, mask_zero=True)(inputs)
-    x = Monitored()(x)
+    x = Monitored(name="monitored")(x)
     if LEGACY:
-        x = AddedMetrics()(x)
+        x = AddedMetrics(name="added")(x)
     model = cls(inputs, layers.Dense(3)(x), **kwargs)
     optimizer = keras.optimizers.Adam(0.01)
     if cls is not AccumulatingModel:  # the Embedding's oracle (docs/accumulation.md)
@@ -63,18 +63,28 @@ def _train(model, x, y):
     return history, model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
 
 
+# A recomputed segment that ends after the metrics' layers: its backward pass runs them again.
+SEGMENT = dict(remat=["added" if LEGACY else "monitored"])
+
+
 @pytest.mark.parametrize(
-    "family, whole_batch_loss",
-    [("mlp", False), ("tagger", False), ("normalized", False), ("mlp", True)],
+    "family, options",
+    [
+        ("mlp", {}),
+        ("tagger", {}),
+        ("normalized", {}),
+        ("mlp", dict(whole_batch_loss=True)),
+        ("mlp", SEGMENT),
+        ("mlp", dict(whole_batch_loss=True, **SEGMENT)),
+    ],
+    ids=["mlp", "tagger", "normalized", "whole-batch-loss", "remat", "whole-batch-loss-remat"],
 )
-def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, whole_batch_loss):
+def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, options):
     x, y = _data(family)
     plain = _train(_model(keras.Model, family), x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # each is a mean, a sum or per element
-        model = _model(
-            AccumulatingModel, family, micro_batch_size=3, whole_batch_loss=whole_batch_loss
-        )
+        model = _model(AccumulatingModel, family, micro_batch_size=3, **options)
         accumulated = _train(model, x, y)
     names = {"activation_mean", "activation_sum", "activation_elements"}
     names |= {"added_mean", "added_sum"} if LEGACY else set()

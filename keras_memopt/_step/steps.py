@@ -225,7 +225,7 @@ class MicroBatchSteps:
             split = self._run.loss_split
             return split.whole_batch_loss(x, y, y_pred, sample_weight, penalty, training)
 
-        whole = _whole_batch.WholeBatch(self, forward, self._run.jit_compile)
+        whole = _whole_batch.WholeBatch(self, forward, self._run.jit_compile, self._uncounted)
         gradients = None
         if training:
             loss, gradients, y_pred = whole.gradients(
@@ -244,10 +244,13 @@ class MicroBatchSteps:
         kinds = (self._run.loss_split.form or _loss_check.LossForm()).metrics
         return _layer_metrics.weighted(self, kinds, share, fn)
 
+    def _uncounted(self, fn):
+        """`fn()`, leaving the layers' own metrics as they were: a pass that is not the
+        step's own (the counts of a masked output's loss, `whole_batch_loss`'s rerun)."""
+        return _layer_metrics.weighted(self, (), None, fn)
+
     def _forward_uncounted(self, x, training):
-        """`_forward`, leaving the layers' own metrics as they were: a pass that is not
-        the step's (the counts of a masked output's loss)."""
-        return _layer_metrics.weighted(self, (), None, lambda: self._forward(x, training=training))
+        return self._uncounted(lambda: self._forward(x, training=training))
 
     # -- evaluation and prediction -------------------------------------------------
 

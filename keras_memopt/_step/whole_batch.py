@@ -26,6 +26,8 @@ whole batch's for any loss of the outputs.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from keras_memopt import _keras
@@ -57,12 +59,17 @@ class WholeBatch:
             scalar added to the loss (the micro-batch's share of the
             `model.losses` terms; `tf.zeros([])` for none).
         jit_compile: whether each micro-batch's pass is compiled with XLA.
+        rerun: runs a function of no arguments, step 3's pass (a rerun of step
+            1's forward pass and its gradient), and returns its result: the
+            model's step passes one that leaves the layers' own metrics as
+            they were (`keras_memopt._step.layer_metrics`).
     """
 
-    def __init__(self, model, forward, jit_compile=False):
+    def __init__(self, model, forward, jit_compile=False, rerun=None):
         self.model = model
         self.forward = forward
         self.jit_compile = jit_compile
+        self.rerun = rerun or (lambda fn: fn())
 
     def outputs(self, data, size):
         """Step 1: `(outputs, penalty, states)`, outputs concatenated over the batch."""
@@ -140,6 +147,9 @@ class WholeBatch:
         positions = tf.range(_loop.batch_size_of(data)) // tf.cast(size, tf.int32)
 
         def second(micro):
+            return self.rerun(functools.partial(rerun, micro))
+
+        def rerun(micro):
             micro_data, gradients, micro_positions = micro
             index = micro_positions[0]
             state = [s[index] for s in states]
