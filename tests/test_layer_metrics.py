@@ -115,3 +115,25 @@ def test_a_metric_that_is_no_mean_sum_or_per_sample_is_named_in_a_warning():
     x, _ = _data("mlp")
     with pytest.warns(UserWarning, match="'activation_max', which a layer updates in `call`"):
         model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)
+
+
+class Idle(layers.Layer):
+    """Owns a metric that its `call` does not update (another method does)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = keras.metrics.Mean(name="seen_elsewhere")
+
+    def call(self, inputs):
+        return inputs
+
+
+def test_a_metric_no_forward_pass_updates_is_left_alone_without_a_warning():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = AccumulatingModel(inputs, layers.Dense(3)(Idle()(inputs)), micro_batch_size=3)
+    model.compile("sgd", "mse")
+    x, _ = _data("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)

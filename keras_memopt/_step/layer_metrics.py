@@ -28,7 +28,8 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 
-ELEMENTS, MEAN, SUM = "elements", "mean", "sum"
+# IDLE: not updated by a forward pass (a nested model's own loss tracker).
+ELEMENTS, MEAN, SUM, IDLE = "elements", "mean", "sum", "idle"
 # Relative difference within which two probes' figures count as equal.
 _RTOL = 1e-3
 
@@ -50,7 +51,7 @@ def _is_mean(metric) -> bool:
 
 
 def classify(model, once, twice, alone) -> tuple:
-    """The kind of each of `layer_means(model)` (ELEMENTS, MEAN, SUM or None),
+    """The kind of each of `layer_means(model)` (ELEMENTS, MEAN, SUM, IDLE or None),
     from forward passes on the inputs `once` (a few samples), `twice` (the same
     samples repeated) and each of `alone` (one of those samples), in the
     strategy's replicas, at perturbed weights (put back after). What they change
@@ -122,6 +123,8 @@ def _kind(once, twice, singles):
     """The kind of one metric from its (total, count) added by each probe."""
     (total, count), (total2, count2) = once, twice
     totals = sum(t for t, _ in singles)
+    if not any((total, count, total2, count2, totals)):
+        return IDLE
     if count <= 0:
         return None
     if _close(count2, 2 * count) and _close(total2, 2 * total) and _close(total, totals):
