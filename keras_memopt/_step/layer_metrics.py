@@ -87,8 +87,10 @@ def classify(model, once, twice, alone) -> tuple:
 def _perturbed(variables):
     """The trainable weights moved by a fixed random step, then put back: a value
     that the initial weights make zero whatever the samples (a sum of a
-    LayerNormalization's outputs, whose offsets start at zero) tells its kind."""
-    kept = [tf.identity(v) for v in variables]
+    LayerNormalization's outputs, whose offsets start at zero) tells its kind.
+    The weights are kept in host memory meanwhile, not on the device."""
+    with tf.device("/CPU:0"):
+        kept = [tf.identity(v) for v in variables]
     for index, variable in enumerate(variables):
         step = tf.random.stateless_normal(variable.shape, seed=[index, 0], dtype=variable.dtype)
         variable.assign_add(0.1 * step)
