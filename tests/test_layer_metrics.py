@@ -97,43 +97,38 @@ def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, options):
         np.testing.assert_allclose(accumulated[1][key], value, rtol=2e-5, err_msg=key)
 
 
-class Maximum(layers.Layer):
-    def __init__(self, **kwargs):
+class Tracked(layers.Layer):
+    """Owns a metric that its `call` updates with the inputs' maximum (no mean, sum or
+    per-sample value), or does not update at all (`highest=False`: another method does)."""
+
+    def __init__(self, highest=True, **kwargs):
         super().__init__(**kwargs)
-        self.highest = keras.metrics.Mean(name="activation_max")
+        self.highest = highest
+        self.metric = keras.metrics.Mean(name="activation_max" if highest else "seen_elsewhere")
 
     def call(self, inputs):
-        self.highest.update_state(tf.reduce_max(inputs))
+        if self.highest:
+            self.metric.update_state(tf.reduce_max(inputs))
         return inputs
+
+
+def _fit_tracked(highest):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = AccumulatingModel(
+        inputs, layers.Dense(3)(Tracked(highest)(inputs)), micro_batch_size=3
+    )
+    model.compile("sgd", "mse")
+    x, _ = _data("mlp")
+    model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)
 
 
 def test_a_metric_that_is_no_mean_sum_or_per_sample_is_named_in_a_warning():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    model = AccumulatingModel(inputs, layers.Dense(3)(Maximum()(inputs)), micro_batch_size=3)
-    model.compile("sgd", "mse")
-    x, _ = _data("mlp")
     with pytest.warns(UserWarning, match="'activation_max', which a layer updates in `call`"):
-        model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)
-
-
-class Idle(layers.Layer):
-    """Owns a metric that its `call` does not update (another method does)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.seen = keras.metrics.Mean(name="seen_elsewhere")
-
-    def call(self, inputs):
-        return inputs
+        _fit_tracked(highest=True)
 
 
 def test_a_metric_no_forward_pass_updates_is_left_alone_without_a_warning():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    model = AccumulatingModel(inputs, layers.Dense(3)(Idle()(inputs)), micro_batch_size=3)
-    model.compile("sgd", "mse")
-    x, _ = _data("mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model.fit(x, np.zeros((len(x), 3)), batch_size=10, epochs=1, verbose=0)
+        _fit_tracked(highest=False)
