@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 
-# IDLE: not updated by a forward pass (a nested model's own loss tracker).
+# IDLE: not updated by a forward pass (another method of its layer updates it).
 ELEMENTS, MEAN, SUM, IDLE = "elements", "mean", "sum", "idle"
 # Relative difference within which two probes' figures count as equal.
 _RTOL = 1e-3
@@ -108,9 +108,7 @@ def _deltas(model, means, x):
 
 
 def _state(means) -> list:
-    return [
-        tf.stack([_read(metric.total), _read(metric.count)]) for metric in means
-    ]
+    return [tf.stack([_read(metric.total), _read(metric.count)]) for metric in means]
 
 
 def _read(variable) -> tf.Tensor:

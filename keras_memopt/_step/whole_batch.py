@@ -147,9 +147,9 @@ class WholeBatch:
         positions = tf.range(_loop.batch_size_of(data)) // tf.cast(size, tf.int32)
 
         def second(micro):
-            return self.rerun(functools.partial(rerun, micro))
+            return self.rerun(functools.partial(gradients_of, micro))
 
-        def rerun(micro):
+        def gradients_of(micro):
             micro_data, gradients, micro_positions = micro
             index = micro_positions[0]
             state = [s[index] for s in states]
