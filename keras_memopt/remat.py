@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from keras_memopt import _keras, placement
 from keras_memopt._remat import segments as _segments
-from keras_memopt._remat.recompute import check_no_activity_regularizer, recompute
+from keras_memopt._remat.recompute import check_recomputable, recompute
 from keras_memopt._remat.segments import plan_segments
 
 __all__ = ["Remat", "plan_segments"]
@@ -62,10 +62,11 @@ class Remat(keras.layers.Wrapper):
     Limits: losses that the wrapped layer adds in `call` (activity
     regularisers, `add_loss`) would get no gradient through the wrapper, so
     wrapping such a layer is refused (an `add_loss` when the first training
-    step is traced). On tf_keras (`TF_USE_LEGACY_KERAS=1`), random
-    layers inside the wrapper draw a fresh seed per call and use stateless
-    random ops, so two calls of one random layer within a single wrapped call
-    share a mask.
+    step is traced), as is a `SpectralNormalization`, which divides its kernel
+    in place in every training call (recomputed, it would divide it again).
+    On tf_keras (`TF_USE_LEGACY_KERAS=1`), random layers inside the wrapper
+    draw a fresh seed per call and use stateless random ops, so two calls of
+    one random layer within a single wrapped call share a mask.
 
     Args:
         layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to
@@ -92,7 +93,7 @@ class Remat(keras.layers.Wrapper):
 
     Raises:
         TypeError: if `layer` is not a Keras layer.
-        ValueError: if `layer` has an activity regulariser.
+        ValueError: if `layer` has an activity regulariser or a `SpectralNormalization`.
     """
 
     def __init__(self, layer: keras.layers.Layer, **kwargs):
@@ -101,7 +102,7 @@ class Remat(keras.layers.Wrapper):
                 "`Remat` wraps a Keras layer (or model). "
                 f"Received: layer={layer!r} of type {type(layer).__name__}"
             )
-        check_no_activity_regularizer([layer], "Remat")
+        check_recomputable([layer], "Remat")
         super().__init__(layer, **kwargs)
         self._layer_takes_training = _takes(layer, "training")
         self._layer_takes_mask = _takes(layer, "mask")

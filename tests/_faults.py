@@ -108,3 +108,36 @@ class OutOfMemoryOnce(keras.layers.Layer):
         rows = tf.py_function(self._check, [tf.shape(inputs)[0], replica], tf.int32)
         with tf.control_dependencies([rows]):
             return tf.identity(inputs)
+
+
+class OutOfMemoryInBackward(keras.layers.Layer):
+    """Passes its input on; raises out of memory in the backward pass, at its `at`-th
+    run there on a batch of more than one row: after the forward pass of its
+    micro-batch ran through the layers after it (and changed what they change)."""
+
+    def __init__(self, at=None, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.runs, self.raised = at, 0, 0
+
+    def _check(self, rows):
+        rows = int(rows)
+        if rows > 1:
+            self.runs += 1
+            if self.runs == self.at:
+                self.raised += 1
+                raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=rows))
+        return rows
+
+    def call(self, inputs):
+        @tf.custom_gradient
+        def identity(x):
+            def gradient(upstream):
+                if tf.executing_eagerly():  # the package's probes before the first step
+                    return upstream
+                rows = tf.py_function(self._check, [tf.shape(upstream)[0]], tf.int32)
+                with tf.control_dependencies([rows]):
+                    return tf.identity(upstream)
+
+            return tf.identity(x), gradient
+
+        return identity(inputs)

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_memopt import _keras, distribute
+from keras_memopt._step import per_update as _per_update
 
 
 def _unique(groups):
@@ -74,7 +75,8 @@ def state_variables(model) -> list:
 
 def loop_variables(model) -> list:
     """What a step that failed before its update may have changed: `state_variables`
-    but the update's, whose scalars excepted.
+    but the update's, whose scalars excepted, and the weights a forward pass assigns
+    (`SpectralNormalization`'s kernel).
 
     Under a strategy, a replica's update waits for every replica's gradients,
     but an optimizer may change a scalar of its own before that on one replica
@@ -82,6 +84,7 @@ def loop_variables(model) -> list:
     its micro-batches and runs out of memory there.
     """
     updated = {id(v) for v in update_variables(model) if tuple(v.shape) != ()}
+    updated -= {id(v) for v in _per_update.call_assigned_weights(model)}  # assigned in the loop
     return [v for v in state_variables(model) if id(v) not in updated]
 
 

@@ -13,6 +13,7 @@ import collections
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._step import per_update as _per_update
 from keras_memopt.memory import bytes_per_sample
 
 
@@ -47,8 +48,12 @@ class Graph:
         # Unknown dimensions count as 1: the sizes only compare blocks.
         self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]
 
-    def regularised(self, index):
-        return _keras.regularised_sublayer(self.nodes[index][0]) is not None
+    def unrecomputable(self, index):
+        """Whether node `index` holds a layer no recomputation runs again exactly
+        (an activity regulariser, a `SpectralNormalization`)."""
+        layer = self.nodes[index][0]
+        refused = _keras.regularised_sublayer(layer) or _per_update.normalizing_sublayer(layer)
+        return refused is not None
 
     def is_input(self, index):
         return not self.nodes[index][1]

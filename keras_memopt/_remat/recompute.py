@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 from keras_memopt._remat import replay as _replay
+from keras_memopt._step import per_update as _per_update
 
 try:  # The forward pass of a segment must not be recorded by an outer tape.
     from tensorflow.python.eager.record import stop_recording as _stop_recording
@@ -213,8 +214,20 @@ def _no_added_losses(layer):
         )
 
 
-def check_no_activity_regularizer(layers, where):
+def check_recomputable(layers, where):
+    """Raises for a layer that no recomputation can run again exactly: one with an
+    activity regulariser, or a `SpectralNormalization`."""
     for layer in layers:
+        normalizing = _per_update.normalizing_sublayer(layer)
+        if normalizing is not None:
+            raise ValueError(
+                f"{where} cannot recompute layer {normalizing.name!r}: a "
+                "`SpectralNormalization` divides its kernel by its spectral norm in "
+                "place in every training call, so a recomputation would divide it "
+                "again and take the gradient at another kernel. Leave that layer out "
+                f"of the segment. Received: layer {normalizing.name!r} of type "
+                f"{type(normalizing).__name__}"
+            )
         sublayer = _keras.regularised_sublayer(layer)
         if sublayer is not None:
             raise ValueError(

@@ -19,7 +19,7 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._remat import choice as _remat_choice
 from keras_memopt._remat import graph as _graph
-from keras_memopt._remat.recompute import check_no_activity_regularizer, on, on_device, recompute
+from keras_memopt._remat.recompute import check_recomputable, on, on_device, recompute
 
 # The micro-batch size `remat="auto"` estimates peaks at where the model has
 # no number for it (the whole batch, or "auto"): large, so that candidates are
@@ -53,7 +53,7 @@ def plan_segments(model, remat, batch=None) -> Cuts:
     graph = _graph.Graph(model)
     if remat != "auto":
         cuts = _graph.named_cuts(graph, model, remat, "remat")
-        check_no_activity_regularizer(
+        check_recomputable(
             [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
         )
         return Cuts(cuts, graph)
@@ -78,11 +78,12 @@ def plan_segments(model, remat, batch=None) -> Cuts:
 
 
 def _candidate_separators(graph):
-    """The cut points `remat="auto"` considers: up to the first regularised layer."""
+    """The cut points `remat="auto"` considers: up to the first layer no
+    recomputation runs again exactly (an activity regulariser, a `SpectralNormalization`)."""
     separators = graph.separators()
-    regularised = [i for i in range(len(graph.nodes)) if graph.regularised(i)]
-    if regularised:  # Everything up to the last cut is recomputed.
-        separators = [i for i in separators if i < regularised[0]]
+    refused = [i for i in range(len(graph.nodes)) if graph.unrecomputable(i)]
+    if refused:  # Everything up to the last cut is recomputed.
+        separators = [i for i in separators if i < refused[0]]
     return separators
 
 

@@ -1,12 +1,15 @@
 """Layer state that plain Keras advances once per batch, kept so over micro-batches.
 
 Some layers change variables in every training call; a step of micro-batches
-would advance them once per micro-batch. Two kinds, both tfmot's, are kept to
-one advance per update:
+would advance them once per micro-batch. Two kinds are kept to one advance per
+update:
 
-- counters: the pruning wrappers' `pruning_step`, which counts updates. Every
+- restarted: what a call sets whatever the batch: tfmot's pruning wrappers'
+  `pruning_step` (`counters`), which counts updates, and `SpectralNormalization`'s
+  kernel, which it divides by its spectral norm in place, and `vector_u`. Every
   micro-batch starts from the step's values, so the step ends where one call
-  on the whole batch ends.
+  on the whole batch ends, and each micro-batch's gradient is taken at the
+  kernel the whole batch's is.
 - ranges: quantization-aware training's `<name>_min` and `<name>_max`
   variables (a moving average of each batch's minimum and maximum, the
   weights' own, or the lowest and highest seen). Every micro-batch starts
@@ -24,10 +27,28 @@ import tensorflow as tf
 from keras_memopt import _keras
 
 _TFMOT = "tensorflow_model_optimization"
+_SPECTRAL = _keras.keras.layers.SpectralNormalization
 
 
 def _layers(model):
     return _keras.sublayers(model, include_self=False)
+
+
+def normalizing_sublayer(layer):
+    """The first `SpectralNormalization` in `layer` (itself included), or None."""
+    return next((s for s in _keras.sublayers(layer) if isinstance(s, _SPECTRAL)), None)
+
+
+def call_assigned_weights(model) -> list:
+    """The weights that layers of `model` assign in every training call, whatever the
+    batch: a `SpectralNormalization`'s kernel (divided in place by its spectral norm)
+    and the `vector_u` of its power iteration. A second call in one step divides
+    the kernel again, by the norm of a kernel already divided."""
+    found = []
+    for layer in _layers(model):
+        if isinstance(layer, _SPECTRAL) and layer.built:
+            found += [layer.kernel, layer.vector_u]
+    return found
 
 
 def counters(model) -> list:
@@ -59,7 +80,7 @@ def ranges(model) -> tuple[list, list]:
 
 
 class PerUpdate:
-    """The counters and ranges of a model, in one train step of micro-batches.
+    """The restarted weights and the ranges of a model, in one train step of micro-batches.
 
     `starts()` before the loop; in each micro-batch, its forward pass under
     `tf.control_dependencies(restart(starts))` and `extremes()` among its
@@ -72,11 +93,11 @@ class PerUpdate:
     """
 
     def __init__(self, model):
-        self.counters = counters(model)
         self.minimums, self.maximums = ranges(model)
-        self.variables = [*self.counters, *self.minimums, *self.maximums]
+        tfmot = [*counters(model), *self.minimums, *self.maximums]
+        self.variables = [*call_assigned_weights(model), *tfmot]
         in_replica = tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
-        if self.variables and in_replica:
+        if tfmot and in_replica:
             raise NotImplementedError(
                 "An AccumulatingModel with tfmot pruning or quantization layers cannot "
                 "train under a distribution strategy: the layers synchronise the "
@@ -90,7 +111,7 @@ class PerUpdate:
         return bool(self.variables)
 
     def starts(self) -> list:
-        return [variable.read_value() for variable in self.variables]
+        return [tf.identity(variable) for variable in self.variables]
 
     def restart(self, starts) -> list:
         return [v.assign(s) for v, s in zip(self.variables, starts, strict=True)]

@@ -84,7 +84,12 @@ class MicroBatchSteps:
         plan = self._run.segment_plan
         if plan is not None and (training or plan.placed):
             return plan(x, training=training)
-        return self(x, training=training)
+        if _keras.LEGACY or self._call_has_training_arg:
+            return self(x, training=training)
+        # Keras 3's own steps call a model whose `call` takes no `training` without
+        # one: its layers run at their defaults (Dropout off, BatchNormalization in
+        # inference mode), in `fit` too.
+        return self(x)
 
     def _build_before_loop(self, x):
         """Builds a model that has not been called yet on a one-sample batch.
@@ -163,7 +168,7 @@ class MicroBatchSteps:
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
         batch_size = _shares.effective_batch_size(replica_batch, self._run.replica_shares)
         variables = self.trainable_variables
-        per_update = _per_update.PerUpdate(self)  # tfmot's: advanced once per update
+        per_update = _per_update.PerUpdate(self)  # advanced once per update
         starts = per_update.starts()
 
         def micro_pass(micro, counts):
@@ -207,8 +212,8 @@ class MicroBatchSteps:
             raise NotImplementedError(
                 "`whole_batch_loss=True` runs each micro-batch forward twice, which "
                 "would advance tfmot's pruning steps twice (and its quantization "
-                "ranges). Train the pruned or quantized model without it. Received: "
-                "whole_batch_loss=True"
+                "ranges), or divide a `SpectralNormalization`'s kernel twice. Train "
+                "such a model without it. Received: whole_batch_loss=True"
             )
         x, y, sample_weight = self._unpack(data)
         replica_batch = _loop.batch_size_of((x, y, sample_weight))
