@@ -27,8 +27,11 @@ file after their first `fit` and loaded back to go on training, and the
 frozen layer made trainable before the second `fit` with the model compiled
 again (fine-tuning's second phase), a kernel constraint on the heads, an
 `embeddings_regularizer`, a Dense layer called twice (shared weights), the
-trunk as a `keras.Sequential` nested in the model, and a layer that updates
-metrics of its own in `call`.
+trunk as a `keras.Sequential` nested in the model, a layer that updates
+metrics of its own in `call`, on tf_keras the heads' kernels quantized in the
+forward pass (tfmot's `QuantizeWrapperV2`, quantization-aware training), a
+recurrent model or tagger fed float features through a `Masking` layer, sample
+weights of which about 40% are zero, and two inputs as a list.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -44,8 +47,9 @@ Keras 3 applies an Embedding's sparse gradient slice by slice, tf_keras clips
 the unsummed slices; neither is the whole batch's update.
 
 Run as a script for a long sweep (`python tests/_fuzz.py --cases 300`): one
-line per case and a summary; `--seed N` replays one case, `--only FIELD` keeps the
-seeds whose case draws that field (`--first 80000 --cases 400 --only reload`).
+line per case and a summary (`--traceback` adds what a failing run raised);
+`--seed N` replays one case, `--only FIELD` keeps the seeds whose case draws
+that field (`--first 80000 --cases 400 --only reload`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 # As the tests run (tests/conftest.py), when run as a script.
@@ -230,7 +235,9 @@ def _feed(spec, x, y, weights, batch_size):
     def batched(*parts):
         # A list of arrays would be stacked into one tensor: a tuple stays a structure.
         parts = tuple(tuple(p) if isinstance(p, list) else p for p in parts)
-        data = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+        # A lone tuple of inputs stays in one: Keras would read two as (x, y).
+        lone = len(parts) == 1 and not isinstance(parts[0], tuple)
+        data = tf.data.Dataset.from_tensor_slices(parts[0] if lone else parts)
         return data.batch(batch_size)
 
     return dict(x=batched(x, y, *weights)), dict(x=batched(x))
@@ -302,6 +309,7 @@ class Result:
     invalid: str | None = None  # what plain Keras raised: a case the generator should not draw
     raised: int = 0  # out-of-memory errors injected in the AccumulatingModel's run
     segments: int = 0  # the segments the AccumulatingModel's run recomputed
+    trace: str | None = None  # the traceback of what either run raised
 
     @property
     def passed(self):
@@ -348,11 +356,13 @@ def run(spec: Spec, strategy=None) -> Result:
             expected = train(spec, accumulating=False)
         except Exception as error:  # noqa: BLE001 - reported: the generator's to mend
             seconds = time.perf_counter() - started
-            return Result(spec, float("inf"), {}, None, seconds, invalid=_summary(error))
+            return Result(spec, float("inf"), {}, None, seconds, invalid=_summary(error),
+                          trace=traceback.format_exc())
         try:
             received = train(spec, accumulating=True, initial=expected.initial)
         except Exception as error:  # noqa: BLE001 - a case's failure, reported
-            return Result(spec, float("inf"), {}, _summary(error), time.perf_counter() - started)
+            return Result(spec, float("inf"), {}, _summary(error), time.perf_counter() - started,
+                          trace=traceback.format_exc())
     errors = differences(expected, received)
     failures = {k: v for k, v in errors.items() if not v <= RTOL}
     worst = max(errors.values(), default=0.0)
@@ -379,6 +389,8 @@ def main(argv=None):
     fields = [field.name for field in dataclasses.fields(Spec)]
     parser.add_argument("--only", metavar="FIELD", choices=fields,
                         help="only the seeds whose case draws FIELD (a `Spec` field, e.g. reload)")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the whole traceback of what a case's run raised")
     args = parser.parse_args(argv)
     # Two logical CPUs for the cases under `MirroredStrategy`, as the tests have them.
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -392,6 +404,8 @@ def main(argv=None):
         result = run(draw(seed))
         results.append(result)
         print(result.line(), flush=True)
+        if args.traceback and result.trace:
+            print(result.trace, flush=True)
     failed = [r.spec.seed for r in results if not r.passed and not r.invalid]
     invalid = [r.spec.seed for r in results if r.invalid]
     passed = len(results) - len(failed) - len(invalid)

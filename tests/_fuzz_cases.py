@@ -9,6 +9,7 @@ compares it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import numpy as np
@@ -155,6 +156,23 @@ class Spec:
     # A layer before the heads that updates metrics of its own in `call` (a mean, a
     # sum over the samples and every element), which `fit` and `evaluate` log.
     monitored: bool = False
+    # tf_keras: the heads' kernels quantized to 8 bits in the forward pass (a tfmot
+    # `QuantizeWrapperV2` with `_kernel_quantize_config`'s; the oracle is plain tf_keras
+    # with the same wrappers).
+    quantized: bool = False
+    # A recurrent model or tagger fed float features (one-hot rows, padding all
+    # zeros) through a `keras.layers.Masking` layer instead of token ids through
+    # an Embedding with `mask_zero`: the same mask from another layer.
+    masking: bool = False
+    # About 40% of the sample weights exactly zero (samples or tokens left out of
+    # the loss by weight): a micro-batch may weigh nothing at all.
+    zero_weights: bool = False
+    # Two inputs as a list (`[features, tokens]`; a tuple in a `tf.data.Dataset`),
+    # not a dict.
+    listed: bool = False
+    # Each head in a `keras.layers.SpectralNormalization`, which divides its kernel
+    # by its spectral norm in place in every training call.
+    spectral: bool = False
 
     def describe(self):
         parts = [
@@ -170,7 +188,9 @@ class Spec:
         flags = ("regularize", "class_weight", "loss_weights", "whole_batch_loss", "jit_compile",
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
                  "pruned", "run_eagerly", "strings", "reload", "unfreeze",
-                 "embedding_penalty", "shared", "nested", "monitored")
+                 "embedding_penalty", "shared", "nested", "monitored", "quantized",
+                 "masking", "zero_weights", "listed",
+                 "spectral")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -386,6 +406,30 @@ def draw(seed: int) -> Spec:
     # where a layer's metric refuses an update (a `SyncOnReadVariable`'s `assign_add`).
     monitored = r.random() < 0.2 and not (LEGACY and mirrored)
     spec = dataclasses.replace(spec, monitored=monitored)
+    # Quantization-aware training: refused with `whole_batch_loss` and under a
+    # strategy as pruning is (the same `per_update` state); not a pruned head
+    # wrapped again, nor saved (the quantize config is the fuzzer's own).
+    quantizable = prunable and not (spec.pruned or spec.reload)
+    spec = dataclasses.replace(spec, quantized=quantizable and r.random() < 0.3)
+    # Features in place of token ids: no words, and no Embedding to regularise.
+    maskable = spec.family in ("recurrent", "tagger") and spec.mask_zero and not spec.strings
+    if maskable and r.random() < 0.4:
+        spec = dataclasses.replace(spec, masking=True, embedding_penalty=False)
+    if spec.sample_weight and r.random() < 0.4:
+        spec = dataclasses.replace(spec, zero_weights=True)
+    if spec.family == "two_inputs" and r.random() < 0.4:
+        spec = dataclasses.replace(spec, listed=True)
+    # Refused with `whole_batch_loss` (a second forward pass would divide again);
+    # no mask reaches a wrapper's Dense on tf_keras; no wrapper around tfmot's.
+    # Plain tf_keras run eagerly is not its own graph run with a subclassed one
+    # (seed 104001: 6.0e-3 apart; an AccumulatingModel's eager run 5.9e-15 from it).
+    # Plain tf_keras loads no saved functional model with one back (a TypeError in
+    # `reconstruct_from_config`: seed 104164).
+    eager_subclass = LEGACY and spec.run_eagerly and spec.build == "subclassed"
+    normalizable = not (spec.whole_batch_loss or masked_heads or spec.pruned or spec.quantized
+                        or eager_subclass or (LEGACY and spec.reload))
+    if normalizable and r.random() < 0.2:
+        spec = dataclasses.replace(spec, spectral=True)
     if mirrored:
         # Plain Keras 3 under the strategy fails on a batch the replicas split
         # unevenly (an `AddN` of their parts' shapes): even batches only; and
@@ -474,6 +518,8 @@ def _trunk(spec):
     penalty = keras.regularizers.L2(1e-2) if spec.embedding_penalty else None
     embedding = layers.Embedding(VOCAB, 6, mask_zero=spec.mask_zero,
                                  embeddings_regularizer=penalty)
+    if spec.masking:
+        embedding = layers.Masking(0.0)
     if family == "dense":
         parts = [layers.Dense(8, activation="tanh", **regularizers), layers.LayerNormalization(),
                  layers.Dense(8, activation="relu")]
@@ -525,6 +571,72 @@ def _pruned(layer):
     return sparsity.prune_low_magnitude(layer, pruning_schedule=schedule)
 
 
+def _quantized(layer):
+    from tensorflow_model_optimization.quantization.keras import QuantizeWrapperV2
+
+    return QuantizeWrapperV2(layer, _kernel_quantize_config()())
+
+
+@functools.cache
+def _kernel_quantize_config():
+    """The fuzzer's `QuantizeConfig` class, made on first use (tfmot imports on tf_keras only)."""
+    from tensorflow_model_optimization.quantization.keras import QuantizeConfig, quantizers
+
+    class KernelQuantizer(quantizers.Quantizer):
+        """tfmot's `LastValueQuantizer` (symmetric, 8 bits, narrow range) in the
+        layer's own dtype: tfmot's fake-quantization ops take float32 only, and
+        the fuzzer trains in float64. Training, it sets its `kernel_min` and
+        `kernel_max` ranges to the kernel's extremes and rounds to 255 levels
+        between them; the gradient passes straight through."""
+
+        def build(self, tensor_shape, name, layer):
+            def weight(suffix, value):
+                return layer.add_weight(
+                    f"{name}_{suffix}", initializer=keras.initializers.Constant(value),
+                    trainable=False)
+
+            return {"min_var": weight("min", -6.0), "max_var": weight("max", 6.0)}
+
+        def __call__(self, inputs, training, weights, **kwargs):
+            if training:
+                bound = tf.maximum(tf.abs(tf.reduce_min(inputs)), tf.abs(tf.reduce_max(inputs)))
+                with tf.control_dependencies([weights["min_var"].assign(-bound),
+                                              weights["max_var"].assign(bound)]):
+                    bound = tf.identity(bound)
+            else:
+                bound = weights["max_var"]
+            scale = tf.maximum(bound, 1e-12) / 127.0
+            rounded = tf.clip_by_value(tf.round(inputs / scale), -127.0, 127.0) * scale
+            return inputs + tf.stop_gradient(rounded - inputs)
+
+        def get_config(self):
+            return {}
+
+    class KernelQuantizeConfig(QuantizeConfig):
+        """Quantizes a Dense layer's kernel only: no activation ranges, so a
+        micro-batch's forward pass is the whole batch's."""
+
+        def get_weights_and_quantizers(self, layer):
+            return [(layer.kernel, KernelQuantizer())]
+
+        def get_activations_and_quantizers(self, layer):
+            return []
+
+        def set_quantize_weights(self, layer, quantize_weights):
+            layer.kernel = quantize_weights[0]
+
+        def set_quantize_activations(self, layer, quantize_activations):
+            pass
+
+        def get_output_quantizers(self, layer):
+            return []
+
+        def get_config(self):
+            return {}
+
+    return KernelQuantizeConfig
+
+
 def fit_callbacks(spec) -> list:
     """The callbacks both runs train with (`UpdatePruningStep` for a pruned case)."""
     if not spec.pruned:
@@ -542,6 +654,12 @@ def make_layers(spec):
     heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
     if spec.pruned:
         heads = [_pruned(head) for head in heads]
+    if spec.quantized:
+        heads = [_quantized(head) for head in heads]
+    if spec.spectral:
+        # Named after the head: a list's logged figures carry the output layer's name.
+        heads = [layers.SpectralNormalization(head, name=f"normalized_{head.name}")
+                 for head in heads]
     trunk = _trunk(spec)
     if spec.frozen is not None:
         trunk[min(spec.frozen, len(trunk) - 1)].trainable = False
@@ -575,6 +693,8 @@ def arm_fault(model, spec):
 def _apply(spec, parts, inputs):
     """The model's graph on `inputs` (symbolic or not), with `make_layers`'s layers."""
     trunk = parts["trunk"]
+    if spec.listed:
+        inputs = dict(zip(("features", "tokens"), inputs, strict=True))
     if "lookup" in parts and spec.family == "two_inputs":
         inputs = dict(inputs, tokens=parts["lookup"](inputs["tokens"]))
     elif "lookup" in parts:
@@ -618,13 +738,16 @@ def _inputs(spec):
     if spec.family == "conv2d":
         return keras.Input((6, 6, 2))
     if spec.family == "two_inputs":
-        return {"features": keras.Input((5,), name="features"),
-                "tokens": keras.Input(name="tokens", **tokens)}
+        inputs = {"features": keras.Input((5,), name="features"),
+                  "tokens": keras.Input(name="tokens", **tokens)}
+        return [inputs["features"], inputs["tokens"]] if spec.listed else inputs
     if spec.family == "ragged":
         return {"features": keras.Input((5,), name="features"),
                 "history": keras.Input((None,), dtype="int32", ragged=True, name="history")}
     if spec.family == "sparse":
         return keras.Input((10,), sparse=True)
+    if spec.masking:
+        return keras.Input((LENGTH, VOCAB - 1))
     return keras.Input(**tokens)
 
 
@@ -735,6 +858,8 @@ def _features(spec, rng, n):
         return {"features": rng.normal(size=(n, 5)),
                 "history": tf.ragged.constant(history, dtype=tf.int32)}
     tokens = _tokens(rng, n, spec.mask_zero)
+    if spec.masking:  # id i as row i - 1 of the identity, padding as zeros
+        return np.eye(VOCAB)[tokens][..., 1:]
     if spec.family == "two_inputs":
         return {"features": rng.normal(size=(n, 5)), "tokens": tokens}
     return tokens
@@ -761,6 +886,8 @@ def make_data(spec):
     x = _features(spec, rng, n)
     per_token = spec.family == "tagger"
     tokens = x if per_token else None
+    if per_token and spec.masking:
+        tokens = np.where(x.any(axis=-1), x.argmax(axis=-1) + 1, 0)
     ys = [_targets(h, rng, n, per_token, tokens) for h in spec.heads]
     names = output_names(spec)
     y = ys[0] if spec.outputs == "one" else dict(zip(names, ys, strict=True))
@@ -769,8 +896,13 @@ def make_data(spec):
     kwargs = {}
     shape = (n, LENGTH) if per_token else (n,)
     weights = [rng.uniform(0.1, 2.0, size=shape) for _ in spec.heads]
+    per_sample = rng.uniform(0.1, 2.0, size=n) if spec.sample_weight == "sample" else None
+    if spec.zero_weights:  # from a generator of their own: the other draws stay
+        zeros = np.random.RandomState(spec.seed + 1)
+        for w in weights if per_sample is None else [per_sample]:
+            w[zeros.uniform(size=w.shape) < 0.4] = 0.0
     if spec.sample_weight == "sample":
-        kwargs["sample_weight"] = rng.uniform(0.1, 2.0, size=n)
+        kwargs["sample_weight"] = per_sample
     elif spec.sample_weight == "token":
         kwargs["sample_weight"] = weights[0]
     elif spec.sample_weight == "output_dict":
@@ -781,6 +913,8 @@ def make_data(spec):
         kwargs["class_weight"] = {c: 0.5 + 0.5 * c for c in range(CLASSES)}
     if spec.strings:
         x = _words(x) if spec.family != "two_inputs" else dict(x, tokens=_words(x["tokens"]))
+    if spec.listed:
+        x = [x["features"], x["tokens"]]
     return x, y, kwargs
 
 

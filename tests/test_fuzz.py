@@ -203,6 +203,18 @@ AXES = {
     "layer-metrics-in-a-recomputed-masked-tagger": case(
         family="tagger", mask_zero=True, recurrent="SimpleRNN", monitored=True, remat="each",
     ),
+    # A tagger's mask from a `Masking` layer over float features, per-token weights, in
+    # recomputed segments (a segment starts at the masked tensor).
+    "masking-layer-tagger-in-recomputed-segments": case(
+        family="tagger", mask_zero=True, masking=True, recurrent="SimpleRNN",
+        sample_weight="token", remat="each",
+    ),
+    # Two inputs as a list (a tuple in the `tf.data.Dataset`), per-output weights many of
+    # which are zero, with validation data.
+    "two-inputs-as-a-list-from-a-dataset": case(
+        family="two_inputs", build="from_model", outputs="dict", heads=TWO, listed=True,
+        dataset=True, validation=True, sample_weight="output_dict", zero_weights=True,
+    ),
     # Fine-tuning's second phase: the frozen Embedding trained after a new `compile`.
     "unfreeze-a-frozen-embedding": case(
         family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,
