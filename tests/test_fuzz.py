@@ -243,6 +243,8 @@ class TestTheComparison:
         assert relative_error([1.0], [1.0, 2.0]) == float("inf")
         assert relative_error([float("nan")], [float("nan")]) == 0.0
         assert relative_error([float("nan")], [1.0]) == float("inf")
+        assert relative_error([1e-16], [-5e-16]) <= RTOL  # rounding of a zero figure
+        assert relative_error([1e-8], [1.1e-8]) > RTOL
 
     def test_a_float32_share_fails_the_float64_comparison(self, monkeypatch):
         def float32_share(part, whole):
