@@ -189,8 +189,7 @@ class Spec:
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
                  "pruned", "run_eagerly", "strings", "reload", "unfreeze",
                  "embedding_penalty", "shared", "nested", "monitored", "quantized",
-                 "masking", "zero_weights", "listed",
-                 "spectral")
+                 "masking", "zero_weights", "listed", "spectral")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
