@@ -169,22 +169,25 @@ class TestEstimateAgainstKeras:
         assert lowest / 1.3 <= estimate <= highest * 1.3, (estimate, lowest, highest)
 
     @pytest.mark.slow
-    def test_counts_two_filter_gradients_at_once_with_several_inter_op_threads(self):
-        # The benchmark's CNN (4 blocks of Conv2D, BatchNormalization, ReLU)
-        # at 16, where the filter gradients' patch buffers (up to 30 MiB
-        # each) outweigh the activations: with TensorFlow's default threading
-        # two are alive at once. Counting one, the estimate read 54.3 MiB
-        # against 77.0 (0.71). In a fresh process, as the benchmark measures
-        # (76.9 to 77.0 MiB here, idle or beside three busy processes; the
-        # tests' shared process, its allocator used by other tests before,
-        # peaked at 90 in one CI run).
+    @pytest.mark.parametrize("batch", [16, 64])
+    def test_counts_filter_gradients_running_on_with_several_inter_op_threads(self, batch):
+        # The benchmark's CNN (4 blocks of Conv2D, BatchNormalization, ReLU).
+        # With TensorFlow's default threading a filter gradient runs on beside
+        # the next layer's gradients. At 16, where the patch buffers (up to 30
+        # MiB each) outweigh the activations, two are alive at once: counting
+        # one, the estimate read 54.3 MiB against 77.0 (0.71). At 64, the
+        # filter gradient's inputs (an activation and its gradient) stay
+        # alive beside the next BatchNormalization's gradient: without them it
+        # read 129.5 against 177.7 (0.73). In a fresh process, as the
+        # benchmark measures (the tests' shared process, its allocator used by
+        # other tests before, peaked at 90 MiB at 16 in one CI run).
         output = run_python(
-            """
+            f"""
             import json, sys
             sys.path.insert(0, "benchmarks")
             import estimate_accuracy
             print(json.dumps(estimate_accuracy.worker(
-                {"family": "cnn", "batch": 16, "inter_op_threads": 0})))
+                {{"family": "cnn", "batch": {batch}, "inter_op_threads": 0}})))
             """
         )
         result = last_json(output)

@@ -15,16 +15,16 @@ thread), adding each op's outputs and dropping each tensor after its last
 use. What the backward pass keeps follows from the graph itself: a recurrent
 layer's per-step gates and states (the loop's accumulators, sized from its
 body), attention's score matrices, normalisation statistics, dropout masks.
-Where gradient loops run side by side (a bidirectional layer's two
-directions), each runs up to its `parallel_iterations` time steps ahead of
-its weight-gradient sum (`keras_memopt._remat.loops.Pile`), measured so in
-TensorFlow's executor from the third or fourth step of a run on: all of them
-on idle cores, about half with one inter-op thread or busy cores; the
-estimate counts seven tenths.
+A gradient loop runs up to its `parallel_iterations` time steps ahead of its
+weight-gradient sum (`keras_memopt._remat.loops.Pile`): where loops run side
+by side (a bidirectional layer's two directions), measured so in
+TensorFlow's executor from the third or fourth step of a run on, all of them
+on idle cores, about half with one inter-op thread or busy cores (the
+estimate counts seven tenths); alone, a few by chance (an eighth counted).
 
 On a CPU, a convolution gradient kernel's patch buffer counts while it runs
-and, with several inter-op threads, a filter gradient's until the next
-convolution's gradients start (it runs on beside them).
+and, with several inter-op threads, a filter gradient's, with its inputs,
+until the next convolution's gradients start (it runs on beside them).
 
 It is an estimate: TensorFlow's executor may run independent ops in another
 order (and, with several inter-op threads, side by side), kernels allocate
@@ -179,8 +179,8 @@ class StepGraph:
         cpu: bool, whether to count the working memory of TensorFlow's CPU
             convolution gradient kernels (a fixed patch buffer of up to 30 MiB
             each, while it or its sibling gradient runs; with several inter-op
-            threads, a filter gradient's until the next convolution's
-            gradients start). Defaults to True.
+            threads, a filter gradient's, and its inputs, until the next
+            convolution's gradients start). Defaults to True.
 
     Attributes:
         ops: the graph's ops in the order they were made.
@@ -223,6 +223,7 @@ class StepGraph:
             for buffer, _ in pair:
                 self.producer[buffer] = min(op for _, op in pair)
                 self.users[buffer] = [op for _, op in pair]
+        self._running_on = {}  # an op that runs on beside later ones: the last of them
         if _inter_op_threads() > 1:
             self._overlap_filter_gradients(scratch_users)
         for i, op in enumerate(self.ops):
@@ -231,7 +232,7 @@ class StepGraph:
             for tensor in op.inputs:
                 buffer = self.buffer_of.get(tensor.ref())
                 if buffer is not None:
-                    self.users[buffer].append(i)
+                    self.users[buffer].extend({i, self._running_on.get(i, i)})
         for tensor in kept:
             buffer = self.buffer_of.get(tensor.ref())
             if buffer is not None:
@@ -242,8 +243,9 @@ class StepGraph:
     def _overlap_filter_gradients(self, scratch_users):
         """With several inter-op threads, a filter gradient runs on beside the
         next convolution's gradients (no op of the backward pass waits for
-        it): its patch buffer stays alive until the next pair of convolution
-        gradients starts, as the allocator shows it (docs/benchmarks.md)."""
+        it): its patch buffer and its inputs (an activation and its
+        gradient) stay alive until the next pair of convolution gradients
+        starts, as the allocator shows it (docs/benchmarks.md)."""
         starts = sorted(min(op for _, op in pair) for pair in scratch_users.values())
         for pair in scratch_users.values():
             last = max(op for _, op in pair)
@@ -253,6 +255,7 @@ class StepGraph:
             for buffer, op in pair:
                 if self.ops[op].type == "Conv2DBackpropFilter":
                     self.users[buffer].append(following[0])
+                    self._running_on[op] = following[0]
 
     def _forward_in_place(self):
         """Lets element-wise ops write into an input used for the last time."""
@@ -287,9 +290,9 @@ class StepGraph:
             self.buffer_of[ref] = find(buffer)
 
     def _add_piles(self):
-        """Adds the `Pile`s of gradient loops that run side by side (a
-        bidirectional layer's two directions: with one loop alone the sum
-        keeps up), alive while either loop runs, each less the share of its
+        """Adds the `Pile`s of gradient loops, alive while the loop runs or,
+        for loops that run side by side (a bidirectional layer's two
+        directions), while either runs, each less the share of its
         accumulator lists it pops meanwhile (a loop called in a function
         frees none: the caller holds them); returns their buffers, counted
         as at least nothing."""
@@ -301,16 +304,15 @@ class StepGraph:
         rows = []
         for i, found in piles.items():
             beside = [j for j in piles if j != i and j not in before[i] and i not in before[j]]
-            if not beside:
-                continue
             drained = np.zeros(2)  # a call's caller holds its inputs until it returns
             for tensor in self.ops[i].inputs if self.ops[i].type in _loops.LOOPS else ():
                 buffer = self.buffer_of.get(tensor.ref())
                 if tensor.dtype == tf.variant and buffer is not None and buffer not in self.kept:
                     drained += self.sizes[buffer]
-            share = found.in_flight / found.iterations
-            rows.append((-share * drained[0], found.in_flight * found.bytes - share * drained[1]))
-            self.producer.append(min(i, *beside))
+            in_flight = found.in_flight(alone=not beside)
+            share = in_flight / found.iterations
+            rows.append((-share * drained[0], in_flight * found.bytes - share * drained[1]))
+            self.producer.append(min([i, *beside]))
             self.users.append([i, *beside])
         floored = set(range(len(self.sizes), len(self.sizes) + len(rows)))
         self.sizes = np.vstack([self.sizes, np.reshape(rows, (-1, 2))])

@@ -18,11 +18,16 @@ import tensorflow as tf
 LOOPS = frozenset({"While", "StatelessWhile"})
 CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # How far a gradient loop runs ahead of its sum, as a share of the iterations
-# it may have in flight: about half of them with one inter-op thread or busy
-# cores, all of them on idle cores (a bidirectional LSTM tagger, both Keras
-# lines). Counting seven tenths puts the estimate near the geometric middle
-# of the step peaks of the two, within 1.3x of each.
+# it may have in flight. Beside another loop (a bidirectional layer's two
+# directions): about half of them with one inter-op thread or busy cores, all
+# of them on idle cores (a bidirectional LSTM tagger, both Keras lines);
+# counting seven tenths puts the estimate near the geometric middle of the
+# step peaks of the two, within 1.3x of each. Alone, its sum mostly keeps up:
+# 2 to 16 of 32 time steps' weight gradients alive at a step's peak (GRU
+# taggers at batch 16 in fresh processes, tf_keras; 2 to 5 on Keras 3); an
+# eighth is counted.
 RUN_AHEAD = 0.7
+RUN_AHEAD_ALONE = 0.125
 # Ops in a loop's body that make nothing of an iteration's own.
 _NOT_MADE = frozenset({"Placeholder", "Const", "Identity", "ReadVariableOp"})
 
@@ -128,16 +133,20 @@ class Pile:
     """Fixed-size tensors a loop makes per iteration for a loop-carried sum.
 
     Attributes:
-        in_flight: iterations counted as alive at once: `RUN_AHEAD` of the
-            loop's `parallel_iterations`, at most of its iteration count.
+        parallel: iterations the loop may have in flight: its
+            `parallel_iterations`, at most its iteration count.
         iterations: how many times the loop runs its body.
         bytes: what one iteration makes for the sum (a time step's weight
             gradients).
     """
 
-    in_flight: int
+    parallel: int
     iterations: int
     bytes: int
+
+    def in_flight(self, alone):
+        """Iterations counted as alive at once, the loop `alone` or beside another."""
+        return (RUN_AHEAD_ALONE if alone else RUN_AHEAD) * self.parallel
 
 
 def pile(op, depth=0):
@@ -147,7 +156,7 @@ def pile(op, depth=0):
     if op.type in CALLS:
         found = [pile(inner, depth + 1) for inner in function_graph(op, "f").get_operations()]
         found = [p for p in found if p is not None]
-        return max(found, key=lambda p: p.in_flight * p.bytes, default=None)
+        return max(found, key=lambda p: p.parallel * p.bytes, default=None)
     if op.type not in LOOPS:
         return None
     count = iterations(op)
@@ -165,4 +174,4 @@ def pile(op, depth=0):
                 made += size[1]
     if not count or not made:
         return None
-    return Pile(RUN_AHEAD * min(op.get_attr("parallel_iterations"), count), count, made)
+    return Pile(min(op.get_attr("parallel_iterations"), count), count, made)
