@@ -8,6 +8,7 @@ from keras_memopt import _io, _keras, _validation, placement
 from keras_memopt import remat as _remat
 from keras_memopt._oom.run_settings import KeepsRunSettings
 from keras_memopt._serialization import SerializationMixin, functional_class
+from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import runner as _runner
 from keras_memopt._step import shares as _shares
@@ -331,6 +332,7 @@ class AccumulatingModel(
 
     def compile(self, *args, jit_compile="auto", **kwargs):
         _losses.check_mean_reduction(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        _batch_dependence.refuse_stateful(self)
         jit = placement.jit_compile(self._placement, jit_compile)
         super().compile(*args, **_keras.compile_kwargs(jit), **kwargs)
         self._run.jit_compile = _keras.resolve_jit_compile(self, jit)

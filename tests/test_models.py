@@ -716,6 +716,27 @@ class TestBadInput:
         with pytest.raises(ValueError, match="average over the samples.*reduction='sum'"):
             model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
 
+    @pytest.mark.parametrize("build", ["functional", "bidirectional", "from_model"])
+    def test_a_stateful_recurrent_layer_is_refused_at_compile(self, build):
+        # Its state has one row per sample of a fixed batch of 8: a micro-batch
+        # of 4 cannot run it (Keras raised mid-way through the first step, from a
+        # probe of two samples, even at micro_batch_size=8).
+        inputs = keras.Input(batch_shape=(8, 5, 3))
+        recurrent = layers.GRU(4, stateful=True, name="carried")
+        if build == "bidirectional":
+            recurrent = layers.Bidirectional(recurrent)
+        outputs = layers.Dense(1)(recurrent(inputs))
+        if build == "from_model":
+            model = AccumulatingModel.from_model(keras.Model(inputs, outputs), micro_batch_size=8)
+        else:
+            model = AccumulatingModel(inputs, outputs, micro_batch_size=4)
+        weights = model.get_weights()
+        with pytest.raises(ValueError, match=r"stateful=False.*Received: stateful=True in layer"):
+            model.compile("sgd", "mse")
+        assert getattr(model, "optimizer", None) is None  # not compiled
+        for a, b in zip(weights, model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
     def test_what_cannot_be_split_is_refused_naming_it_before_any_update(self):
         model = _mlp(AccumulatingModel, micro_batch_size=4)
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -13,6 +13,9 @@ pooling, say): the update differs from plain Keras's at the whole batch.
 `TextVectorization` that pads to the batch, and any output (of any layer of a
 functional model) whose shape differs between the batch's first sample and
 its first two, where the shape is not known before.
+
+`refuse_stateful(model)` refuses a stateful recurrent layer, which keeps one
+state per row of a fixed batch and cannot run on part of it.
 """
 
 from __future__ import annotations
@@ -94,4 +97,27 @@ def warn(model, x):
             "pipeline.",
             UserWarning,
             stacklevel=2,
+        )
+
+
+def refuse_stateful(model):
+    """Raises where `model` has a recurrent layer with `stateful=True`.
+
+    Such a layer keeps one state per row of the fixed batch it was built for
+    and carries it to the same row of the next batch; a micro-batch is part
+    of that batch (and `OOMBackoff` changes its size), so no split of the
+    batch runs it as plain Keras does.
+    """
+    names = [
+        layer.name for layer in _keras.sublayers(model, include_self=False)
+        if isinstance(layer, _keras.keras.layers.RNN) and getattr(layer, "stateful", False)
+    ]
+    if names:
+        raise ValueError(
+            "AccumulatingModel splits each batch into micro-batches, and a stateful "
+            "recurrent layer keeps one state per row of a fixed batch, carried to the "
+            "same row of the next batch: it cannot run on part of the batch. Use "
+            "`stateful=False` (pass states between batches with `return_state` and "
+            "`initial_state` where you need them), or train this model with "
+            f"`keras.Model`. Received: stateful=True in layer(s) {names}"
         )
