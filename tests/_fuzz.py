@@ -84,7 +84,7 @@ from _fuzz_cases import (  # noqa: E402
     make_data,
     make_optimizer,
 )
-from _oracles import dense_gradients  # noqa: E402
+from _oracles import build_first, dense_gradients  # noqa: E402
 
 from keras_memopt._keras import LEGACY, keras  # noqa: E402
 from keras_memopt.callbacks import OOMBackoff  # noqa: E402
@@ -145,6 +145,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     if not accumulating:
         optimizer = dense_gradients(optimizer)
     model.compile(optimizer=optimizer, **compile_kwargs(spec))
+    if not accumulating:
+        build_first(model)
     callbacks, fault = fit_callbacks(spec), None
     if spec.lr_callback:
         callbacks.append(keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5))
@@ -224,6 +226,8 @@ def _unfreeze(model, spec, accumulating):
     if not accumulating:
         optimizer = dense_gradients(optimizer)
     model.compile(optimizer=optimizer, **compile_kwargs(spec))
+    if not accumulating:
+        build_first(model)
 
 
 def _feed(spec, x, y, weights, batch_size):

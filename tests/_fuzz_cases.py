@@ -230,6 +230,11 @@ def _draw_head(r, family):
     return Head(kind, activation, from_logits, r.random() < 0.3, ignore_class, smoothing)
 
 
+PIECEWISE_LOSSES = frozenset({"hinge", "categorical_hinge", "mean_absolute_error", "huber"})
+# Drawn last, on Keras 3 (see `draw`).
+NEWER_OPTIMIZERS = ("Muon", "ScheduleFreeAdamW")
+
+
 def _loss_choices(head, spec):
     """The other losses a head of its kind can train with (`_loss` makes them):
     "string" is the usual loss by its name (which reads probabilities),
@@ -241,8 +246,7 @@ def _loss_choices(head, spec):
         # Lion's sign and Adafactor's normalisation turn into full steps, in both
         # runs differently (seed 80538: a bias 8.8e-4 apart after Keras 3's own
         # `gradient_accumulation_steps` summed two opposite batches' hinge gradients).
-        piecewise = {"hinge", "categorical_hinge", "mean_absolute_error", "huber"}
-        choices = [c for c in choices if c not in piecewise]
+        choices = [c for c in choices if c not in PIECEWISE_LOSSES]
     return choices
 
 
@@ -438,6 +442,14 @@ def draw(seed: int) -> Spec:
             spec, batch_size=batch_size, samples=spec.samples // 2 * 2,
             steps_per_execution=spec.steps_per_execution if LEGACY else 1,
         )
+    # Keras 3's newer optimizers in place of the one drawn. Muon orthogonalises its
+    # momentum by Newton-Schulz steps from a normalised matrix: not with piecewise
+    # losses, whose cancelling gradients it would turn into full steps (as Lion's sign).
+    newer = [name for name in NEWER_OPTIMIZERS if hasattr(keras.optimizers, name)]
+    if PIECEWISE_LOSSES & set(spec.losses or ()):
+        newer = [name for name in newer if name != "Muon"]
+    if newer and r.random() < 0.15:
+        spec = dataclasses.replace(spec, optimizer=r.choice(newer))
     return spec
 
 

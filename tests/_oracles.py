@@ -7,6 +7,12 @@ Keras 3 is not the whole batch's update. The oracle is plain Keras with the
 gradient made dense before the optimizer sees it, which is the batch's
 mathematical gradient (tf_keras sums the rows itself, so there it changes
 nothing).
+
+Keras 3's `ScheduleFreeAdamW` sets its momentum to the weights in `build`,
+which plain Keras's `fit` runs in a symbolic trace that loses the assignment
+(its momentum starts at zero: the first step moves every weight to about
+`-learning_rate`). The oracle builds it before `fit` (`build_first`), as
+`AccumulatingModel` does.
 """
 
 import tensorflow as tf
@@ -38,3 +44,11 @@ def dense_gradients(optimizer):
 
     optimizer.apply = dense_apply
     return optimizer
+
+
+def build_first(model):
+    """Builds the compiled `model`'s optimizer now, outside any trace, where its
+    `build` assigns more than zeros (Keras 3's `ScheduleFreeAdamW`)."""
+    if type(model.optimizer).__name__ == "ScheduleFreeAdamW":
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)

@@ -2,7 +2,8 @@
 
 Each trains an `AccumulatingModel` in micro-batches as plain Keras trains at the whole
 batch (float64, every weight, optimizer variable, logged and evaluated figure). The
-oracle for `ScheduleFreeAdamW` is plain Keras with its optimizer built before `fit`:
+oracle for `ScheduleFreeAdamW` is plain Keras with its optimizer built before `fit`
+(`_oracles.build_first`):
 the optimizer's `build` sets its `momentum` to the weights (the schedule-free
 sequences start at them), but plain Keras's `fit` builds it in a symbolic trace where
 that assignment is lost, so the momentum starts at zero and the first step moves every
@@ -14,6 +15,7 @@ starts at the weights, as the optimizer says.
 import numpy as np
 import pytest
 from _fuzz import float64
+from _oracles import build_first
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import LEGACY, keras
@@ -41,7 +43,7 @@ def _optimizer(name):
     )
 
 
-def _train(name, cls=keras.Model, build_first=False, **kwargs):
+def _train(name, cls=keras.Model, oracle=False, **kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     x = layers.Dense(8, activation="tanh", name="trunk")(inputs)
@@ -52,8 +54,8 @@ def _train(name, cls=keras.Model, build_first=False, **kwargs):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    if build_first:
-        model.optimizer.build(model.trainable_variables)
+    if oracle:
+        build_first(model)
     rng = np.random.RandomState(0)
     x, y = rng.normal(size=(30, 6)), rng.randint(0, 3, 30)
     history = model.fit(
@@ -66,7 +68,7 @@ def _train(name, cls=keras.Model, build_first=False, **kwargs):
 
 @pytest.mark.parametrize("name", ["Muon", "ScheduleFreeAdamW", "MultiOptimizer"])
 def test_micro_batches_train_as_plain_keras_at_the_whole_batch(name):
-    expected = _train(name, build_first=name == "ScheduleFreeAdamW")
+    expected = _train(name, oracle=True)
     received = _train(name, AccumulatingModel, micro_batch_size=5)
     for ours, theirs in zip(expected[:2], received[:2], strict=True):
         assert len(ours) == len(theirs)
