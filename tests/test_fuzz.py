@@ -14,7 +14,7 @@ import tensorflow as tf
 from _fuzz import RTOL, relative_error, run
 from _fuzz_cases import Head, Spec, draw
 
-from keras_memopt._keras import LEGACY
+from keras_memopt._keras import LEGACY, keras
 from keras_memopt._step import loop as _loop
 
 # The fixed sample CI runs: 16 seeds, half on each Keras line (about 45 s of cases on
@@ -225,11 +225,23 @@ AXES = {
     "unfreeze-a-frozen-embedding": case(
         family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,
     ),
+    # Keras 3's newer optimizers: Muon on a recurrent model's two heads; ScheduleFreeAdamW
+    # (its momentum starts at the weights) compiled again after an unfreeze.
+    "muon-on-a-recurrent-model-with-two-outputs": case(
+        family="recurrent", mask_zero=True, outputs="dict", heads=TWO, loss_weights=True,
+        optimizer="Muon",
+    ),
+    "schedule-free-adamw-compiled-again-after-an-unfreeze": case(
+        family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,
+        optimizer="ScheduleFreeAdamW", schedule="exponential",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(AXES))
 def test_axis_case_matches_plain_keras(name):
+    if not hasattr(keras.optimizers, AXES[name].optimizer):
+        pytest.skip(f"{AXES[name].optimizer} is Keras 3's")
     result = run(AXES[name])
     assert result.passed, result.line()
 
