@@ -31,8 +31,8 @@ trunk as a `keras.Sequential` nested in the model, a layer that updates
 metrics of its own in `call`, on tf_keras the heads' kernels quantized in the
 forward pass (tfmot's `QuantizeWrapperV2`, quantization-aware training), a
 recurrent model or tagger fed float features through a `Masking` layer, sample
-weights of which about 40% are zero, two inputs as a list, and each head in a
-`SpectralNormalization`.
+weights of which about 40% are zero, two inputs as a list, each head in a
+`SpectralNormalization`, and on Keras 3 its `Muon` or `ScheduleFreeAdamW`.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
