@@ -444,9 +444,11 @@ def draw(seed: int) -> Spec:
         )
     # Keras 3's newer optimizers in place of the one drawn. Muon orthogonalises its
     # momentum by Newton-Schulz steps from a normalised matrix: not with piecewise
-    # losses, whose cancelling gradients it would turn into full steps (as Lion's sign).
+    # losses, whose cancelling gradients it would turn into full steps (as Lion's sign),
+    # nor with a learning-rate schedule, where plain Keras's Muon fails in float64 (a
+    # float32 `Mul` with a float64 input: seeds 112041, 112084).
     newer = [name for name in NEWER_OPTIMIZERS if hasattr(keras.optimizers, name)]
-    if PIECEWISE_LOSSES & set(spec.losses or ()):
+    if PIECEWISE_LOSSES & set(spec.losses or ()) or spec.schedule:
         newer = [name for name in newer if name != "Muon"]
     if newer and r.random() < 0.15:
         spec = dataclasses.replace(spec, optimizer=r.choice(newer))
