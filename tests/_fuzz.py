@@ -141,12 +141,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     if initial is not None:
         model.set_weights(initial)
     initial = model.get_weights()
-    optimizer = make_optimizer(spec)
-    if not accumulating:
-        optimizer = dense_gradients(optimizer)
-    model.compile(optimizer=optimizer, **compile_kwargs(spec))
-    if not accumulating:
-        build_first(model)
+    _compile(model, spec, accumulating)
     callbacks, fault = fit_callbacks(spec), None
     if spec.lr_callback:
         callbacks.append(keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5))
@@ -212,6 +207,17 @@ def _reloaded(model, accumulating):
     return model
 
 
+def _compile(model, spec, accumulating):
+    """Compiles `model` with a fresh optimizer; plain Keras's is the oracle's
+    (`_oracles`: dense gradients, built before `fit`)."""
+    optimizer = make_optimizer(spec)
+    if not accumulating:
+        optimizer = dense_gradients(optimizer)
+    model.compile(optimizer=optimizer, **compile_kwargs(spec))
+    if not accumulating:
+        build_first(model)
+
+
 def _unfreeze(model, spec, accumulating):
     """Makes the frozen layers trainable and compiles `model` again with a fresh
     optimizer, as fine-tuning's second phase does.
@@ -222,12 +228,7 @@ def _unfreeze(model, spec, accumulating):
     for layer in model._flatten_layers():
         if not layer.trainable and not isinstance(layer, keras.layers.BatchNormalization):
             layer.trainable = True
-    optimizer = make_optimizer(spec)
-    if not accumulating:
-        optimizer = dense_gradients(optimizer)
-    model.compile(optimizer=optimizer, **compile_kwargs(spec))
-    if not accumulating:
-        build_first(model)
+    _compile(model, spec, accumulating)
 
 
 def _feed(spec, x, y, weights, batch_size):
