@@ -300,6 +300,8 @@ class AccumulatingModel(
     def whole_batch_loss(self, value):
         value = _validation.whole_batch_loss(value, self._run.replica_shares)
         if value != self._run.whole_batch_loss:
+            if _keras.compiled_loss_container(self) is not None:
+                _losses.check_reduction(self.loss, value)
             self._run.whole_batch_loss = value
             self._run.loss_split = _losses.LossSplit(self)
             self._run.retrace()
@@ -331,7 +333,8 @@ class AccumulatingModel(
     # -- compile and the step functions ------------------------------------------
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        _losses.check_mean_reduction(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
+        _losses.check_reduction(loss, self.whole_batch_loss)
         _batch_dependence.refuse_stateful(self)
         jit = placement.jit_compile(self._placement, jit_compile)
         super().compile(*args, **_keras.compile_kwargs(jit), **kwargs)

@@ -173,6 +173,10 @@ class Spec:
     # Each head in a `keras.layers.SpectralNormalization`, which divides its kernel
     # by its spectral norm in place in every training call.
     spectral: bool = False
+    # Per head, the reduction of its loss where the loss is a `keras.losses.Loss`
+    # (None: Keras's default): "sum", or on Keras 3 with `whole_batch_loss`
+    # "mean_with_sample_weight" (a ratio of the batch's sums, refused without it).
+    reductions: tuple | None = None
 
     def describe(self):
         parts = [
@@ -205,6 +209,8 @@ class Spec:
             parts.append(f"sample_weight={self.sample_weight}")
         if self.losses:
             parts.append("losses=" + ",".join(self.losses))
+        if self.reductions:
+            parts.append("reductions=" + ",".join(str(r) for r in self.reductions))
         options = ",".join(f"{k}={v}" for k, v in self.optimizer_options)
         schedule = f"+{self.schedule}" if self.schedule else ""
         parts.append(f"{self.optimizer}({options}){schedule}")
@@ -452,6 +458,10 @@ def draw(seed: int) -> Spec:
         newer = [name for name in newer if name != "Muon"]
     if newer and r.random() < 0.15:
         spec = dataclasses.replace(spec, optimizer=r.choice(newer))
+    if r.random() < 0.25:
+        weighted = spec.whole_batch_loss and not LEGACY
+        choices = [None, "sum", *(["mean_with_sample_weight"] if weighted else [])]
+        spec = dataclasses.replace(spec, reductions=tuple(r.choice(choices) for _ in spec.heads))
     return spec
 
 
@@ -964,6 +974,15 @@ def _loss(head, name=None):
     return getattr(keras.losses, classes.get(name) or name.title().replace("_", ""))()
 
 
+def _reduced(loss, reduction):
+    """`loss` with another reduction where it is a `keras.losses.Loss` and one is given."""
+    if reduction is None or not isinstance(loss, keras.losses.Loss):
+        return loss
+    config = loss.get_config()
+    config.update(reduction=reduction)
+    return type(loss).from_config(config)
+
+
 def custom_objects():
     """What `keras.models.load_model` needs to revive the cases' own parts."""
     return {cls.__name__: cls for cls in (MeanPenalty, SumPenalty, RaggedMean, Monitored)} | {
@@ -1025,7 +1044,11 @@ def make_optimizer(spec):
 def compile_kwargs(spec):
     names = output_names(spec)
     names_of_losses = spec.losses or (None,) * len(spec.heads)
-    losses = [_loss(h, name) for h, name in zip(spec.heads, names_of_losses, strict=True)]
+    reductions = spec.reductions or (None,) * len(spec.heads)
+    losses = [
+        _reduced(_loss(h, name), reduction)
+        for h, name, reduction in zip(spec.heads, names_of_losses, reductions, strict=True)
+    ]
     metrics = [_metrics(h, spec.metrics) for h in spec.heads]
     weighted = [m[:1] for m in metrics]  # the accuracy or MAE, weighted
     if spec.outputs == "one":

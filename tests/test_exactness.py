@@ -234,6 +234,22 @@ def ignore_class_ce():
     return dict(loss=loss, metrics=["accuracy"])
 
 
+def summed_ticket_compile():
+    """The tickets' heads, one loss summed over the batch and one averaged."""
+    compiled = ticket_compile()
+    compiled["loss"]["department"] = keras.losses.CategoricalCrossentropy(
+        from_logits=True, reduction="sum"
+    )
+    return compiled
+
+
+def summed_ignore_class_ce():
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0, reduction="sum"
+    )
+    return dict(loss=loss, metrics=["accuracy"])
+
+
 def summed_add_loss(cls, **kwargs):
     inputs = keras.Input((6,))
     hidden = SumRegularizer()(layers.Dense(8, activation="tanh")(inputs))
@@ -305,6 +321,17 @@ CASES = {
     ),
     "rnn-tagger-masked-ignore-class-adam": Case(
         rnn_tagger, tagger_data, lambda: keras.optimizers.Adam(0.01), compile=ignore_class_ce
+    ),
+    # A loss with reduction="sum": its micro-batches' sums add up unweighted, masks
+    # and the ignored class only drop elements (Keras divides by nothing).
+    "tickets-one-loss-summed-adam": Case(
+        functools.partial(ticket_model, recurrent=layers.SimpleRNN), ticket_data,
+        lambda: keras.optimizers.Adam(0.01), compile=summed_ticket_compile,
+        micro=dict(micro_batch_size=5),
+    ),
+    "rnn-tagger-masked-ignore-class-summed-sgd": Case(
+        rnn_tagger, tagger_data, lambda: keras.optimizers.SGD(0.01),
+        compile=summed_ignore_class_ce,
     ),
     "cnn-class-weight": Case(
         cnn, cnn_data, lambda: keras.optimizers.SGD(0.05, momentum=0.9),

@@ -235,6 +235,11 @@ AXES = {
         family="pooled", mask_zero=True, frozen=0, refit=True, unfreeze=True,
         optimizer="ScheduleFreeAdamW", schedule="exponential",
     ),
+    # A loss that sums over the batch beside one that averages, weighted per output.
+    "a-summed-loss-beside-an-averaged-one-with-per-output-weights": case(
+        family="pooled", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
+        loss_weights=True, reductions=("sum", None),
+    ),
 }
 
 

@@ -711,10 +711,28 @@ class TestBadInput:
         for a, b in zip(weights, model.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
 
-    def test_sum_reduction_is_refused_at_compile(self):
+    @pytest.mark.parametrize(
+        "reduction", ["none"] + ([] if LEGACY else ["mean_with_sample_weight"])
+    )
+    def test_a_reduction_the_micro_batches_cannot_add_up_is_refused_at_compile(self, reduction):
         model = _mlp(AccumulatingModel, micro_batch_size=4)
-        with pytest.raises(ValueError, match="average over the samples.*reduction='sum'"):
-            model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
+        with pytest.raises(
+            ValueError,
+            match=rf"or sum over them \('sum'\).*Received: loss=MeanSquaredError with "
+            rf"reduction='{reduction}', whole_batch_loss=False",
+        ):
+            model.compile("sgd", keras.losses.MeanSquaredError(reduction=reduction))
+        assert getattr(model, "optimizer", None) is None  # not compiled
+
+    @pytest.mark.skipif(LEGACY, reason="tf_keras has no 'mean_with_sample_weight' reduction")
+    def test_a_ratio_of_weighted_sums_needs_the_whole_batchs_loss(self):
+        # Σ w·loss / Σ w: any weight the micro-batch's share adds cancels in it.
+        model = _mlp(AccumulatingModel, micro_batch_size=4, whole_batch_loss=True)
+        model.compile("sgd", keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+        refusal = "pass `whole_batch_loss=True`.*whole_batch_loss=False"
+        with pytest.raises(ValueError, match=refusal):
+            model.whole_batch_loss = False
+        assert model.whole_batch_loss
 
     @pytest.mark.parametrize("build", ["functional", "bidirectional", "from_model"])
     def test_a_stateful_recurrent_layer_is_refused_at_compile(self, build):

@@ -182,6 +182,18 @@ def test_per_sample_losses_stay_exact(name):
     assert_same_training(_train(case, keras.Model), received)
 
 
+@pytest.mark.skipif(LEGACY, reason="tf_keras has no 'mean_with_sample_weight' reduction")
+def test_a_ratio_of_the_weighted_sums_is_exact_with_the_option():
+    # Σ w·loss / Σ w over the batch: refused without the option (test_models.py).
+    weights = np.random.RandomState(2).uniform(0.0, 2.0, 96).astype("float32")
+
+    def fit(model):
+        loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+        return _fit(model, loss=loss, sample_weight=weights)
+
+    _assert_same(fit(two_towers(keras.Model)), fit(two_towers(AccumulatingModel, **WHOLE)))
+
+
 def test_under_mirrored_strategy(mirrored_strategy):
     with mirrored_strategy.scope():
         expected = _fit(two_towers(keras.Model))

@@ -27,7 +27,9 @@ repeated (`x2 + x2`), in inference mode and with no state left changed:
   the two, within the spread of its draws;
 - the `ignore_class` of each output's loss (`SparseCategoricalCrossentropy`),
   from its config: Keras divides such a loss by the elements not ignored, so
-  the micro-batches' shares count those (`keras_memopt._step.losses`).
+  the micro-batches' shares count those (`keras_memopt._step.losses`); and
+  whether it sums over the batch (`reduction="sum"`), where the micro-batches'
+  losses add up unweighted.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class LossForm:
     terms: tuple[str, ...] = ()
     ignore_classes: tuple = ()
     masked: bool = False
+    # Per flat output, whether its loss sums over the batch (`reduction="sum"`);
+    # () where none does.
+    summed: tuple = ()
     # One kind per `Mean` metric the layers update in `call` (`layer_metrics.classify`).
     metrics: tuple = ()
 
@@ -118,9 +123,10 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     taken = snapshot.take()
     _keras.build_step_state(model, *pair)
     classes = ignore_classes(model, y)
+    form = LossForm((), classes, summed=summed_outputs(model, y))
     try:
-        once = _probe(model, pair, classes, None if whole_batch_loss else split)
-        again, doubled = _probe(model, pair, classes, None), _probe(model, twice, classes, None)
+        once = _probe(model, pair, form, None if whole_batch_loss else split)
+        again, doubled = _probe(model, pair, form, None), _probe(model, twice, form, None)
         alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
         metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
         _batch_dependence.warn(model, x)
@@ -149,7 +155,9 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
                 f"does not. Received: model.losses[{index}]"
             )
         terms.append(kind)
-    return LossForm(tuple(terms), classes, masked=bool(once[-1]), metrics=metrics)
+    return dataclasses.replace(
+        form, terms=tuple(terms), masked=bool(once[-1]), metrics=metrics
+    )
 
 
 def _coupled_message(model, changed):
@@ -197,21 +205,25 @@ def _term_kind(once, again, doubled):
     return kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
 
 
-def _probe(model, data, classes, split):
+def _probe(model, data, form, split):
     """`_evaluate(model, *data, ...)` in a replica's context (where Keras updates its
     loss trackers), as a list; Keras's warnings come from the step, once."""
     strategy = model.distribute_strategy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        values = strategy.run(_evaluate, args=(model, *data, classes, split))
+        values = strategy.run(_evaluate, args=(model, *data, form, split))
     return strategy.experimental_local_results(values)[0].numpy().tolist()
 
 
-def _evaluate(model, x, y, classes, split):
+def _evaluate(model, x, y, form, split):
     """[loss of the outputs, the same on them repeated (NaN: none), what `split`
     gives and the relative tolerance of the loss's float type (NaN: none), each
     term of `model.losses`, each term's gradient norm, 1 if an output carries a
-    mask] on one batch."""
+    mask] on one batch.
+
+    On the repeated samples the losses that sum over the batch (`form.summed`)
+    are weighted by one half: a loss that splits then keeps its value.
+    """
     variables = model.trainable_variables
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
@@ -227,12 +239,24 @@ def _evaluate(model, x, y, classes, split):
         )
     elif y is not None and has_compiled_loss(model):
         once = _keras.compiled_loss(model, y, y_pred, None, [])
-        twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), None, [])
+        halves = _halved_sums(y_pred, form.summed)
+        twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), halves, [])
     masked = any(_keras.get_mask(t) is not None for t in tf.nest.flatten(y_pred))
     if split is not None and once is not nan:
-        parts = (*split(LossForm((), classes, masked), x, y, y_pred), tolerance(once.dtype))
+        form = dataclasses.replace(form, masked=masked)
+        parts = (*split(form, x, y, y_pred), tolerance(once.dtype))
     values = [once, twice, *parts, *terms, *norms]
     return tf.stack([*(tf.cast(v, tf.float32) for v in values), tf.constant(float(masked))])
+
+
+def _halved_sums(y_pred, summed):
+    """Sample weights of one half on the outputs whose loss sums over the batch, one
+    on the others (None where none sums)."""
+    if not summed:
+        return None
+    floatx = _keras.keras.backend.floatx()
+    halves = [tf.constant(0.5 if s else 1.0, floatx) for s in summed]
+    return tf.nest.pack_sequence_as(y_pred, halves) if tf.nest.is_nested(y_pred) else halves[0]
 
 
 def _norm(gradients) -> tf.Tensor:
@@ -246,11 +270,11 @@ def _norm(gradients) -> tf.Tensor:
     return tf.sqrt(tf.add_n(squares))
 
 
-# -- ignore_class ------------------------------------------------------------------
+# -- each output's loss ------------------------------------------------------------
 
 
-def ignore_classes(model, y=None) -> tuple:
-    """The `ignore_class` of each flat output's compiled loss (None where none).
+def output_losses(model, y=None) -> list:
+    """Each flat output's compiled loss (None where it has none).
 
     A dict of losses is matched to the outputs by name: the targets' keys
     where they are a dict (a subclassed model names its outputs nowhere else).
@@ -264,16 +288,33 @@ def ignore_classes(model, y=None) -> tuple:
         names = list(getattr(model, "output_names", None) or [])
     loss = getattr(model, "loss", None)
     if isinstance(loss, dict):
-        losses = [loss.get(name) for name in names]
-    elif isinstance(loss, (list, tuple)):
-        losses = list(loss)
-    else:
-        losses = [loss] * max(len(names), 1)
+        return [loss.get(name) for name in names]
+    if isinstance(loss, (list, tuple)):
+        return list(loss)
+    return [loss] * max(len(names), 1)
+
+
+def reduction_of(loss) -> str | None:
+    """A `keras.losses.Loss`'s reduction in lower case, on both lines (None: a
+    function or a name, which average over the samples)."""
+    reduction = getattr(loss, "reduction", None)
+    return None if reduction is None else str(reduction).lower()
+
+
+def ignore_classes(model, y=None) -> tuple:
+    """The `ignore_class` of each flat output's compiled loss (None where none)."""
     classes = []
-    for item in losses:
+    for item in output_losses(model, y):
         config = item.get_config() if hasattr(item, "get_config") else {}
         classes.append(config.get("ignore_class"))
     return tuple(classes) if any(c is not None for c in classes) else ()
+
+
+def summed_outputs(model, y=None) -> tuple:
+    """Whether each flat output's compiled loss sums over the batch (`reduction="sum"`:
+    its micro-batches' losses add up to the batch's unweighted); () where none does."""
+    summed = tuple(reduction_of(item) == "sum" for item in output_losses(model, y))
+    return summed if any(summed) else ()
 
 
 # -- the probe's data ------------------------------------------------------------------

@@ -11,6 +11,8 @@ over the batch's:
 - an output without a mask or an ignored class: `n_i / N` (samples);
 - otherwise: `valid_i / valid` (elements left; the batch's `valid` is counted
   before the loop, by `AccumulatingModel`);
+- an output whose loss sums over the batch (`reduction="sum"`, divided by
+  nothing; masks and ignored classes only drop elements): `1`;
 - a term of `model.losses` (`add_loss`, activity and weight regularisers):
   `n_i / N` when it averages over samples or does not depend on them, and `1`
   when it sums over them (the micro-batches' sums add up to the batch's).
@@ -48,22 +50,36 @@ from keras_memopt._step.loss_check import (
     check,
     has_compiled_loss,
     overrides,
+    reduction_of,
     sample,
 )
 
+# A loss's reductions that split over micro-batches: the means over the samples
+# (each micro-batch weighted by its share) and the sum (unweighted).
+_SPLIT_REDUCTIONS = (None, "sum_over_batch_size", "mean", "auto", "sum")
 
-def check_mean_reduction(loss):
-    """Refuses, at `compile`, a `keras.losses.Loss` that does not average over samples."""
+
+def check_reduction(loss, whole_batch_loss):
+    """Refuses, at `compile` (and where `whole_batch_loss` is turned off), a
+    `keras.losses.Loss` whose reduction the micro-batches cannot add up to."""
     for item in tf.nest.flatten(loss):
-        reduction = getattr(item, "reduction", None)  # a `keras.losses.Loss`'s, on both lines
-        reduction = None if reduction is None else str(reduction).lower()
-        if reduction not in (None, "sum_over_batch_size", "mean", "auto"):
-            raise ValueError(
-                "AccumulatingModel needs losses that average over the samples of a "
-                "batch (reduction='sum_over_batch_size', Keras's default) so that "
-                "micro-batches weighted by their share of the batch add up to the "
-                f"batch's loss. Received: loss={item!r} with reduction={reduction!r}"
-            )
+        reduction = reduction_of(item)
+        if reduction in _SPLIT_REDUCTIONS:
+            continue
+        if reduction == "mean_with_sample_weight" and whole_batch_loss:
+            continue  # one ratio of the whole batch's sums, evaluated once
+        hint = (
+            " or pass `whole_batch_loss=True` to evaluate it once on the whole batch's outputs"
+            if reduction == "mean_with_sample_weight"
+            else ""
+        )
+        raise ValueError(
+            "AccumulatingModel needs losses that average over the samples of a "
+            "batch (reduction='sum_over_batch_size', Keras's default, or 'mean') or "
+            "sum over them ('sum'), so that the micro-batches' losses add up to the "
+            f"batch's; use one of those{hint}. Received: loss={type(item).__name__} with "
+            f"reduction={reduction!r}, whole_batch_loss={whole_batch_loss}"
+        )
 
 
 class LossSplit:
@@ -148,21 +164,16 @@ class LossSplit:
     def _compiled_share(self, y, y_pred, sample_weight, share, valid, terms=(), form=None):
         """The compiled loss of a micro-batch's outputs, its share of the batch's
         (see the module docstring), with `terms` on tf_keras."""
+        form = form or self.form or LossForm()
         masks = self.divisor_masks(y, y_pred, form)
         if _keras.LEGACY:
             # Per sample of the micro-batch (see the module docstring).
-            shares = [
-                _masked_share(mask, valid, i) / share if mask is not None else None
-                for i, mask in enumerate(masks)
-            ]
-            weights = _output_weights(y_pred, sample_weight, shares, masks)
+            shares = _output_shares(masks, form.summed, valid, share, None)
+            weights = _output_weights(y_pred, sample_weight, shares)
             loss = _keras.compiled_loss(self.model, y, y_pred, weights, list(terms))
             return loss * tf.cast(share, loss.dtype)
-        shares = [
-            _masked_share(mask, valid, i) if mask is not None else share
-            for i, mask in enumerate(masks)
-        ]
-        weights = _output_weights(y_pred, sample_weight, shares, masks)
+        shares = _output_shares(masks, form.summed, valid, share, share)
+        weights = _output_weights(y_pred, sample_weight, shares)
         with _one_update_each(self.model, y_pred):
             return _keras.compiled_loss(self.model, y, y_pred, weights, [])
 
@@ -248,8 +259,31 @@ def _masked_share(mask, valid, index):
     return tf.math.divide_no_nan(count, valid[index])
 
 
-def _output_weights(y_pred, sample_weight, shares, masks):
-    """Sample weights carrying each output's share: one for all outputs, or one per output.
+def _output_shares(masks, summed, valid, share, samples):
+    """What each flat output's loss of a micro-batch is weighted by, relative to
+    `share` (the micro-batch's samples over the batch's): `samples` where Keras
+    counts samples (the same for every output: `samples` itself, not a list),
+    its count's share where it counts elements (`valid`), and one where the
+    loss sums over the batch."""
+    summed = summed or (False,) * len(masks)
+    if not any(summed) and all(mask is None for mask in masks):
+        return samples
+    one = tf.ones([], tf.float64)
+    shares = []
+    for index, (mask, sums) in enumerate(zip(masks, summed, strict=True)):
+        if sums:
+            shares.append(one / share if samples is None else one)
+        elif mask is not None:
+            counted = _masked_share(mask, valid, index)
+            shares.append(counted / share if samples is None else counted)
+        else:
+            shares.append(samples)
+    return shares
+
+
+def _output_weights(y_pred, sample_weight, shares):
+    """Sample weights carrying each output's share: `shares` is one share for all
+    outputs, or a list of one per flat output (None: the weight as it is).
 
     `sample_weight` is what Keras hands the step: None, one tensor, or one per
     output (a dict or list, as the user gave it; one tensor for several
@@ -259,12 +293,12 @@ def _output_weights(y_pred, sample_weight, shares, masks):
         # Keras 3 squeezes the loss of a sample known to be alone (run eagerly)
         # with a scalar weight to a scalar, which its reduction then leaves
         # unscaled for the replicas: a weight per sample.
-        shares = [None if s is None else tf.reshape(s, [1]) for s in shares]
-    if all(mask is None for mask in masks):
+        shares = tf.nest.map_structure(lambda s: None if s is None else tf.reshape(s, [1]), shares)
+    if not isinstance(shares, list):
         # Every output's share is the micro-batch's: each weight scaled by it.
         if sample_weight is None:
-            return shares[0]
-        return tf.nest.map_structure(lambda w: _scaled(w, shares[0]), sample_weight)
+            return shares
+        return tf.nest.map_structure(lambda w: _scaled(w, shares), sample_weight)
     flat = tf.nest.flatten(y_pred)
     if tf.nest.is_nested(sample_weight):
         user = tf.nest.flatten(sample_weight)
