@@ -109,9 +109,11 @@ def compiled_loss(model, y, y_pred, sample_weight, terms):
     """
     container = compiled_loss_container(model)
     if LEGACY:
-        return container(y, y_pred, sample_weight, regularization_losses=terms)
+        # None where no output has a loss and there are no terms.
+        loss = container(y, y_pred, sample_weight, regularization_losses=terms)
+        return tf.zeros([], keras.backend.floatx()) if loss is None else loss
     loss = container(y, y_pred, sample_weight)
-    loss = tf.zeros([]) if loss is None else loss
+    loss = tf.zeros([], keras.backend.floatx()) if loss is None else loss
     for term in terms:
         loss += tf.cast(term, loss.dtype)
     return loss
@@ -224,6 +226,18 @@ def output_loss_trackers(model):
     return list(container.metrics) if container is not None else []
 
 
+def unweighted_loss_metric(model):
+    """tf_keras's reported loss where no output has a loss (the loss is only
+    `model.losses`): its container then weighs each call by one, not by the
+    call's samples, so a step must update it once. None otherwise (Keras 3
+    tracks the loss in the step, `track_loss`)."""
+    if not LEGACY or any(tf.nest.flatten(getattr(model, "loss", None))):
+        return None
+    container = compiled_loss_container(model)
+    # Made with the container; listed in its `metrics` only once it is built.
+    return getattr(container, "_total_loss_mean", None)
+
+
 def update_metrics(model, x, y, y_pred, sample_weight):
     """Updates the compiled metrics with one micro-batch; results come later."""
     if LEGACY:
@@ -289,7 +303,15 @@ def symbolic_build(model, data_batch):
     with model.distribute_strategy.scope(), warnings.catch_warnings():
         # Keras says it in the traced step, as often as for a plain model.
         warnings.filterwarnings("ignore", message="The structure of `inputs` doesn't match")
-        model._symbolic_build(data_batch=strip_optionals(data_batch))
+        try:
+            model._symbolic_build(data_batch=strip_optionals(data_batch))
+        except ValueError as error:
+            # Keras builds the loss on symbolic outputs, where no `add_loss` term
+            # is kept: a model whose loss is only those (`compile(loss=[None,
+            # None])`) has "no loss" there. All but the optimizer is built by then.
+            if "No loss to compute" not in str(error) or any(tf.nest.flatten(model.loss)):
+                raise
+            model.optimizer.build(model.trainable_variables)
 
 
 def build_step_state(model, x, y):

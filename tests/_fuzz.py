@@ -34,7 +34,8 @@ recurrent model or tagger fed float features through a `Masking` layer, sample
 weights of which about 40% are zero, two inputs as a list, each head in a
 `SpectralNormalization`, on Keras 3 its `Muon` or `ScheduleFreeAdamW`, and each
 head's loss summing over the batch (`reduction="sum"`) or, on Keras 3 with
-`whole_batch_loss`, dividing by the sum of its weights (`"mean_with_sample_weight"`).
+`whole_batch_loss`, dividing by the sum of its weights (`"mean_with_sample_weight"`),
+and no loss for any output, the model trained on its `add_loss` terms alone.
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with

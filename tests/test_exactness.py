@@ -234,6 +234,16 @@ def ignore_class_ce():
     return dict(loss=loss, metrics=["accuracy"])
 
 
+def penalised_mlp(cls, **kwargs):
+    """No loss for the output: the model trains on its `add_loss` terms alone
+    (Keras's endpoint-layer pattern), one averaging over the samples (the
+    activity penalty), one summing over them and a kernel penalty."""
+    reg = keras.regularizers.L2(1e-2)
+    inputs = keras.Input((6,))
+    hidden = layers.Dense(16, activation="tanh", kernel_regularizer=reg, activity_regularizer=reg)
+    return cls(inputs, layers.Dense(3)(SumRegularizer()(hidden(inputs))), **kwargs)
+
+
 def summed_ticket_compile():
     """The tickets' heads, one loss summed over the batch and one averaged."""
     compiled = ticket_compile()
@@ -332,6 +342,12 @@ CASES = {
     "rnn-tagger-masked-ignore-class-summed-sgd": Case(
         rnn_tagger, tagger_data, lambda: keras.optimizers.SGD(0.01),
         compile=summed_ignore_class_ce,
+    ),
+    # Keras 3 weighted the summing term by the micro-batch's share where no output
+    # had a loss; tf_keras logged the mean of the micro-batches' losses.
+    "mlp-trained-on-add-loss-terms-alone": Case(
+        penalised_mlp, mlp_data, lambda: keras.optimizers.Adam(0.01),
+        compile=lambda: dict(loss=None, metrics=["accuracy"]),
     ),
     "cnn-class-weight": Case(
         cnn, cnn_data, lambda: keras.optimizers.SGD(0.05, momentum=0.9),
@@ -449,6 +465,32 @@ def test_matches_plain_keras_under_mirrored_strategy(name, mirrored_strategy):
         expected = _train(case, keras.Model)
         received = _train(case, AccumulatingModel, **case.micro)
     assert_same_training(expected, received)
+
+
+def test_a_term_silent_on_the_first_two_samples_is_probed_on_the_next():
+    """A penalty summing ReLUs that are dead for the batch's first two samples tells
+    nothing there (zero, no gradient): taken for a mean, its micro-batches' sums were
+    weighted by their shares (the fuzzer's seed 122270, evaluating after a reload)."""
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        hidden = layers.Dense(4, activation="relu", kernel_initializer="ones")(inputs)
+        return cls(inputs, layers.Dense(3)(SumRegularizer()(hidden)), **kwargs)
+
+    rng = np.random.RandomState(0)
+    x = np.abs(rng.normal(size=(12, 4))).astype("float32")
+    x[:2] *= -1  # every unit dead for the first two samples
+    y = rng.randint(0, 3, 12)
+    results = []
+    for cls, kwargs in ((keras.Model, {}), (AccumulatingModel, dict(micro_batch_size=4))):
+        model = build(cls, **kwargs)
+        model.compile(keras.optimizers.SGD(0.1), sparse_ce()["loss"])
+        evaluation = model.evaluate(x, y, batch_size=12, verbose=0)  # the first step
+        model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+        results.append([evaluation, *model.get_weights()])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(b, a, **TOLERANCE)
 
 
 class TestWhatCannotBeSplit:

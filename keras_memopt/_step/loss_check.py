@@ -127,6 +127,7 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     try:
         once = _probe(model, pair, form, None if whole_batch_loss else split)
         again, doubled = _probe(model, pair, form, None), _probe(model, twice, form, None)
+        probes = _term_probes(model, (x, y), form, (once, again, doubled))
         alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
         metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
         _batch_dependence.warn(model, x)
@@ -143,7 +144,6 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
         if not adds_up(own, alone, magnitude, rtol):
             raise ValueError(_coupled_message(model, what_split(own, alone, alone=True)))
     terms = []
-    probes = zip(_terms(once), _terms(again), _terms(doubled), strict=True)
     for index, (a, b, c) in enumerate(probes):
         kind = _term_kind(a, b, c)
         if kind is None:
@@ -189,6 +189,37 @@ def _terms(values):
     return list(zip(values[7 : 7 + count], values[7 + count : -1], strict=True))
 
 
+# How many pairs of the first batch's samples a term that tells nothing is probed on.
+_PAIRS = 8
+
+
+def _term_probes(model, data, form, values) -> list:
+    """Per term of `model.losses`, its `(value, gradient norm)` on two samples, again
+    on them, and on them repeated (`values`: the probes of the first two samples).
+
+    A term that tells nothing there (negligible, without a gradient: a penalty on
+    ReLUs dead for both samples) is probed on the batch's next pairs of samples,
+    up to `_PAIRS` pairs, until it tells; else it keeps the first pair's (a mean).
+    """
+    probes = list(zip(*(_terms(v) for v in values), strict=True))
+    x, y = data
+    size = int(_loop.batch_size_of(x))
+    for start in range(2, min(size - 1, 2 * _PAIRS), 2):
+        silent = [i for i, probe in enumerate(probes) if _tells_nothing(*probe)]
+        if not silent:
+            break
+        pair = _loop.micro_slice(x, start, 2), _loop.micro_slice(y, start, 2)
+        twice = repeat(pair[0]), repeat(pair[1])
+        found = [_terms(_probe(model, p, form, None)) for p in (pair, pair, twice)]
+        for index in silent:
+            probes[index] = tuple(terms[index] for terms in found)
+    return probes
+
+
+def _tells_nothing(once, again, doubled) -> bool:
+    return max(abs(once[0]), abs(doubled[0])) < _NEGLIGIBLE and max(once[1], doubled[1]) == 0
+
+
 def _term_kind(once, again, doubled):
     """MEAN, SUM or None for one term, from its `(value, gradient norm)` on two
     samples, again on them, and on them repeated.
@@ -200,7 +231,7 @@ def _term_kind(once, again, doubled):
     """
     if max(abs(once[0]), abs(doubled[0])) >= _NEGLIGIBLE:
         return kind_of(once[0], doubled[0], spread=abs(again[0] - once[0]))
-    if max(once[1], doubled[1]) == 0:
+    if _tells_nothing(once, again, doubled):
         return MEAN
     return kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
 

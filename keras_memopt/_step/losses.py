@@ -147,15 +147,19 @@ class LossSplit:
         """
         model = self.model
         share = _loop.share_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
-        if overrides(model, "compute_loss") or not has_compiled_loss(model):
-            # A user's own loss: exact when it averages over samples.
+        if overrides(model, "compute_loss") or not (has_compiled_loss(model) or model.losses):
+            # A user's own loss: exact when it averages over samples (or Keras's
+            # error where there is no loss at all).
             loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
         if _keras.LEGACY:
             # tf_keras's container adds the terms, per sample of the micro-batch.
             terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
             return self._compiled_share(y, y_pred, sample_weight, share, valid, terms)
-        loss = self._compiled_share(y, y_pred, sample_weight, share, valid)
+        if has_compiled_loss(model):
+            loss = self._compiled_share(y, y_pred, sample_weight, share, valid)
+        else:  # `compile(loss=None)`: the terms of `model.losses` are the loss
+            loss = tf.zeros([], _loop.sum_dtype(_keras.keras.backend.floatx()))
         for index, term in enumerate(model.losses):
             term = _keras.additional_loss(model, term)
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
@@ -324,26 +328,42 @@ def _scaled(sample_weight, share):
 
 
 class OutputLossTrackers:
-    """Sets Keras 3's per-output loss trackers after the loop to one update with the batch.
+    """Sets the loss trackers that the loop updates once per micro-batch to one
+    update with the batch.
 
-    Take it (`OutputLossTrackers(model)`) before the loop and `apply(batch_size)`
+    Take it (`OutputLossTrackers(model)`) before the loop and `apply(...)`
     after: each tracker then holds what it held before plus the batch's loss
-    for that output, weighted as Keras weights a whole batch.
+    for that output, weighted as Keras weighs a whole batch. They are Keras 3's
+    per-output loss trackers, and tf_keras's reported loss where no output has
+    a loss (`_keras.unweighted_loss_metric`).
     """
 
     def __init__(self, model):
         self.trackers = [] if _keras.LEGACY else _keras.output_loss_trackers(model)
+        self.unweighted = _keras.unweighted_loss_metric(model)
         self.before = [
             (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers
         ]
+        if self.unweighted is not None:  # tf_keras's: a variable's `value` is a method
+            self.unweighted_before = [tf.identity(v) for v in self.unweighted.variables]
 
-    def apply(self, weight, scale=1.0):
+    def apply(self, weight, scale, loss):
+        """`weight`: the batch's static size (Keras 3's weight of a batch's loss);
+        `scale` turns this replica's loss into its mean; `loss`: the loop's sum."""
         for tracker, (total, count) in zip(self.trackers, self.before, strict=True):
             # Inside the loop each micro-batch added its share of the loss with weight one.
-            loss = (tracker.total - total) * tf.cast(scale, tracker.total.dtype)
+            loss_of_output = (tracker.total - total) * tf.cast(scale, tracker.total.dtype)
             tracker.total.assign(total)
             tracker.count.assign(count)
-            tracker.update_state(loss, sample_weight=weight)
+            tracker.update_state(loss_of_output, sample_weight=weight)
+        if self.unweighted is not None:
+            # One call with the batch's loss, unscaled for the replicas, as tf_keras's
+            # container adds the terms of `model.losses` where no output has a loss.
+            total, count = self.unweighted_before
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            value = tf.cast(loss, tf.float64) * tf.cast(scale, tf.float64) * replicas
+            self.unweighted.total.assign(total + tf.cast(value, total.dtype))
+            self.unweighted.count.assign(count + tf.ones_like(count))
 
 
 @contextlib.contextmanager

@@ -149,7 +149,7 @@ class MicroBatchSteps:
         # With uneven replica shares, what the loss shares count against is
         # not this replica's batch: the trackers take this replica's mean.
         scale = _loop.share_of(batch_size, replica_batch)
-        trackers.apply(_loop.static_batch_size(data[0]), scale)
+        trackers.apply(_loop.static_batch_size(data[0]), scale, tf.nest.flatten(outputs)[0])
         return outputs, scale
 
     # -- training ------------------------------------------------------------------
