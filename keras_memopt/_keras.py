@@ -13,8 +13,6 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt._step import loop as _loop
-
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 if LEGACY:
@@ -85,47 +83,6 @@ def resolve_jit_compile(model, jit_compile):
 def compile_kwargs(jit_compile):
     """`compile` keyword arguments for the outer step's compilation."""
     return {"jit_compile": False} if LEGACY else {"jit_compile": jit_compile}
-
-
-def compute_loss(model, x, y, y_pred, sample_weight, training):
-    """The model's `compute_loss` (a user's override included), regularisation included."""
-    if LEGACY:
-        return model.compute_loss(x, y, y_pred, sample_weight)
-    return model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-    )
-
-
-def compiled_loss_container(model):
-    """Keras's container of the losses given to `compile`, or None."""
-    return getattr(model, "compiled_loss" if LEGACY else "_compile_loss", None)
-
-
-def compiled_loss(model, y, y_pred, sample_weight, terms):
-    """The compiled losses plus `terms`, by Keras's own container.
-
-    tf_keras's container also updates the reported loss (weighted by the
-    dynamic batch size); Keras 3's updates its per-output loss trackers.
-    """
-    container = compiled_loss_container(model)
-    if LEGACY:
-        # None where no output has a loss and there are no terms.
-        loss = container(y, y_pred, sample_weight, regularization_losses=terms)
-        return tf.zeros([], keras.backend.floatx()) if loss is None else loss
-    loss = container(y, y_pred, sample_weight)
-    loss = tf.zeros([], keras.backend.floatx()) if loss is None else loss
-    for term in terms:
-        loss += tf.cast(term, loss.dtype)
-    return loss
-
-
-def additional_loss(model, term):
-    """A term of `model.losses` as Keras adds it to the loss (scaled for replicas)."""
-    if LEGACY:
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        term = tf.reduce_sum(_loop.widened(term))
-        return term / replicas if replicas > 1 else term
-    return model._aggregate_additional_loss(term)
 
 
 def get_mask(tensor):
@@ -203,41 +160,6 @@ def mask_warning_silenced():
         yield
 
 
-@contextlib.contextmanager
-def losses_replaced(model, terms):
-    """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
-
-    For a loss evaluated once on the whole batch's outputs
-    (`whole_batch_loss`), whose `add_loss` terms were added up over the
-    micro-batches. tf_keras has no such hook (`whole_batch_loss` with an
-    overridden `compute_loss` is refused there).
-    """
-    saved = model._losses_override
-    model._losses_override = list(terms)
-    try:
-        yield
-    finally:
-        model._losses_override = saved
-
-
-def output_loss_trackers(model):
-    """Keras 3's per-output loss trackers (`Mean` metrics), in output order."""
-    container = compiled_loss_container(model)
-    return list(container.metrics) if container is not None else []
-
-
-def unweighted_loss_metric(model):
-    """tf_keras's reported loss where no output has a loss (the loss is only
-    `model.losses`): its container then weighs each call by one, not by the
-    call's samples, so a step must update it once. None otherwise (Keras 3
-    tracks the loss in the step, `track_loss`)."""
-    if not LEGACY or any(tf.nest.flatten(getattr(model, "loss", None))):
-        return None
-    container = compiled_loss_container(model)
-    # Made with the container; listed in its `metrics` only once it is built.
-    return getattr(container, "_total_loss_mean", None)
-
-
 def update_metrics(model, x, y, y_pred, sample_weight):
     """Updates the compiled metrics with one micro-batch; results come later."""
     if LEGACY:
@@ -246,20 +168,6 @@ def update_metrics(model, x, y, y_pred, sample_weight):
         model.compiled_metrics.update_state(y, y_pred, sample_weight)
     else:
         model.compute_metrics(x, y, y_pred, sample_weight)
-
-
-def track_loss(model, loss, batch_size):
-    """Records a batch's loss the way Keras's own train and test steps do."""
-    if LEGACY:
-        return  # Tracked per micro-batch in `compute_loss`.
-    tracker = getattr(model, "_loss_tracker", None)
-    if tracker is None:
-        return
-    # Keras divides the loss by the number of replicas so that summing
-    # gradients across replicas gives the global mean; the reported loss is
-    # the replica's own mean.
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    tracker.update_state(loss * replicas, sample_weight=batch_size)
 
 
 def scale_loss(optimizer, loss):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _io, _keras, _validation, placement
+from keras_memopt import _io, _keras, _keras_losses, _validation, placement
 from keras_memopt import remat as _remat
 from keras_memopt._oom.run_settings import KeepsRunSettings
 from keras_memopt._serialization import SerializationMixin, functional_class
@@ -300,7 +300,7 @@ class AccumulatingModel(
     def whole_batch_loss(self, value):
         value = _validation.whole_batch_loss(value, self._run.replica_shares)
         if value != self._run.whole_batch_loss:
-            if _keras.compiled_loss_container(self) is not None:
+            if _keras_losses.compiled_loss_container(self) is not None:
                 _losses.check_reduction(self.loss, value)
             self._run.whole_batch_loss = value
             self._run.loss_split = _losses.LossSplit(self)

@@ -40,7 +40,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras
+from keras_memopt import _keras, _keras_losses
 from keras_memopt._oom import rollback as _rollback
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import layer_metrics as _layer_metrics
@@ -85,7 +85,7 @@ def overrides(model, name) -> bool:
 
 
 def has_compiled_loss(model) -> bool:
-    return _keras.compiled_loss_container(model) is not None
+    return _keras_losses.compiled_loss_container(model) is not None
 
 
 def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
@@ -264,14 +264,14 @@ def _evaluate(model, x, y, form, split):
     once = twice = nan = tf.constant(float("nan"))
     parts = (nan,) * 5
     if overrides(model, "compute_loss"):
-        once = _keras.compute_loss(model, x, y, y_pred, None, training=False)
-        twice = _keras.compute_loss(
+        once = _keras_losses.compute_loss(model, x, y, y_pred, None, training=False)
+        twice = _keras_losses.compute_loss(
             model, repeat(x), repeat(y), repeat(y_pred), None, training=False
         )
     elif y is not None and has_compiled_loss(model):
-        once = _keras.compiled_loss(model, y, y_pred, None, [])
+        once = _keras_losses.compiled_loss(model, y, y_pred, None, [])
         halves = _halved_sums(y_pred, form.summed)
-        twice = _keras.compiled_loss(model, repeat(y), repeat(y_pred), halves, [])
+        twice = _keras_losses.compiled_loss(model, repeat(y), repeat(y_pred), halves, [])
     masked = any(_keras.get_mask(t) is not None for t in tf.nest.flatten(y_pred))
     if split is not None and once is not nan:
         form = dataclasses.replace(form, masked=masked)

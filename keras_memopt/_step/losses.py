@@ -42,7 +42,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_memopt import _keras
+from keras_memopt import _keras, _keras_losses
 from keras_memopt._step import loop as _loop
 from keras_memopt._step.loss_check import (
     SUM,
@@ -150,7 +150,7 @@ class LossSplit:
         if overrides(model, "compute_loss") or not (has_compiled_loss(model) or model.losses):
             # A user's own loss: exact when it averages over samples (or Keras's
             # error where there is no loss at all).
-            loss = _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
+            loss = _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
         if _keras.LEGACY:
             # tf_keras's container adds the terms, per sample of the micro-batch.
@@ -161,7 +161,7 @@ class LossSplit:
         else:  # `compile(loss=None)`: the terms of `model.losses` are the loss
             loss = tf.zeros([], _loop.sum_dtype(_keras.keras.backend.floatx()))
         for index, term in enumerate(model.losses):
-            term = _keras.additional_loss(model, term)
+            term = _keras_losses.additional_loss(model, term)
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
         return loss
 
@@ -174,12 +174,12 @@ class LossSplit:
             # Per sample of the micro-batch (see the module docstring).
             shares = _output_shares(masks, form.summed, valid, share, None)
             weights = _output_weights(y_pred, sample_weight, shares)
-            loss = _keras.compiled_loss(self.model, y, y_pred, weights, list(terms))
+            loss = _keras_losses.compiled_loss(self.model, y, y_pred, weights, list(terms))
             return loss * tf.cast(share, loss.dtype)
         shares = _output_shares(masks, form.summed, valid, share, share)
         weights = _output_weights(y_pred, sample_weight, shares)
         with _one_update_each(self.model, y_pred):
-            return _keras.compiled_loss(self.model, y, y_pred, weights, [])
+            return _keras_losses.compiled_loss(self.model, y, y_pred, weights, [])
 
     def _one_at_a_time(self, form, x, y, y_pred):
         """What `loss_check.check` compares (its `split`), on a few samples' outputs:
@@ -199,7 +199,7 @@ class LossSplit:
         for index in range(count):
             one = [sample(data, index) for data in (x, y, y_pred)]
             if overrides(self.model, "compute_loss"):
-                loss = _keras.compute_loss(self.model, *one, None, training=False)
+                loss = _keras_losses.compute_loss(self.model, *one, None, training=False)
                 parts.append(loss * tf.cast(1 / count, loss.dtype))
                 own.append(nan)
                 continue
@@ -223,7 +223,7 @@ class LossSplit:
             return tf.broadcast_to(one, shape)
 
         try:
-            return _keras.compiled_loss(
+            return _keras_losses.compiled_loss(
                 self.model, y, y_pred, tf.nest.map_structure(weights, y_pred), []
             )
         except (ValueError, TypeError, tf.errors.InvalidArgumentError):
@@ -234,7 +234,7 @@ class LossSplit:
         (in the terms' `_loop.sum_dtype`; Keras's float type when there are none).
 
         Not scaled for replicas: Keras scales it where it adds it
-        (`whole_batch_loss`, `_keras.additional_loss`).
+        (`whole_batch_loss`, `_keras_losses.additional_loss`).
         """
         terms = [self._term(t, i, share, 1.0) for i, t in enumerate(self.model.losses)]
         if not terms:
@@ -246,9 +246,9 @@ class LossSplit:
         (the summed terms of `model.losses` of every micro-batch, see `penalty`)."""
         model = self.model
         if _keras.LEGACY:
-            return _keras.compiled_loss(model, y, y_pred, sample_weight, [penalty])
-        with _keras.losses_replaced(model, [penalty]):
-            return _keras.compute_loss(model, x, y, y_pred, sample_weight, training)
+            return _keras_losses.compiled_loss(model, y, y_pred, sample_weight, [penalty])
+        with _keras_losses.losses_replaced(model, [penalty]):
+            return _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
 
     def _term(self, term, index, mean_share, sum_share):
         kinds = (self.form or LossForm()).terms
@@ -335,12 +335,12 @@ class OutputLossTrackers:
     after: each tracker then holds what it held before plus the batch's loss
     for that output, weighted as Keras weighs a whole batch. They are Keras 3's
     per-output loss trackers, and tf_keras's reported loss where no output has
-    a loss (`_keras.unweighted_loss_metric`).
+    a loss (`_keras_losses.unweighted_loss_metric`).
     """
 
     def __init__(self, model):
-        self.trackers = [] if _keras.LEGACY else _keras.output_loss_trackers(model)
-        self.unweighted = _keras.unweighted_loss_metric(model)
+        self.trackers = [] if _keras.LEGACY else _keras_losses.output_loss_trackers(model)
+        self.unweighted = _keras_losses.unweighted_loss_metric(model)
         self.before = [
             (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers
         ]
@@ -372,7 +372,7 @@ def _one_update_each(model, y_pred):
     as in the traced micro-batch loop (`OutputLossTrackers`): Keras weighs it by the
     outputs' static batch size, which is known where the step runs eagerly."""
     size = tf.nest.flatten(y_pred)[0].shape[0]
-    trackers = _keras.output_loss_trackers(model) if size not in (None, 1) else []
+    trackers = _keras_losses.output_loss_trackers(model) if size not in (None, 1) else []
     before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in trackers]
     yield
     for tracker, (total, count) in zip(trackers, before, strict=True):

@@ -25,7 +25,7 @@ import functools
 
 import tensorflow as tf
 
-from keras_memopt import _keras, distribute
+from keras_memopt import _keras, _keras_losses, distribute
 from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import loss_check as _loss_check
@@ -197,7 +197,7 @@ class MicroBatchSteps:
 
     def _train_update(self, loss, batch_size, gradients):
         """The step's update (across replicas), once every micro-batch has run, and its logs."""
-        _keras.track_loss(self, loss, batch_size)
+        _keras_losses.track_loss(self, loss, batch_size)
         variables = self.trainable_variables
         if variables:
             began = self._run.guard.begin(gradients)
@@ -287,7 +287,7 @@ class MicroBatchSteps:
         return loss * tf.cast(scale, loss.dtype), replica_batch
 
     def _test_logs(self, loss, batch_size):
-        _keras.track_loss(self, loss, batch_size)
+        _keras_losses.track_loss(self, loss, batch_size)
         return self.get_metrics_result()
 
     def predict_step(self, data):

@@ -30,7 +30,7 @@ import functools
 
 import tensorflow as tf
 
-from keras_memopt import _keras
+from keras_memopt import _keras, _keras_losses
 from keras_memopt._oom.errors import WHOLE_BATCH_LOSS_SCOPE
 from keras_memopt._remat import replay as _replay
 from keras_memopt._step import loop as _loop
@@ -162,7 +162,7 @@ class WholeBatch:
                     for output, gradient in zip(floats, gradients, strict=True)
                     if gradient is not None
                 ]
-                penalty = _keras.additional_loss(model, penalty)
+                penalty = _keras_losses.additional_loss(model, penalty)
                 dtype = parts[0].dtype if parts else penalty.dtype
                 surrogate = tf.add_n([tf.cast(p, dtype) for p in [*parts, penalty]])
                 scaled = _keras.scale_loss(optimizer, surrogate)
