@@ -199,7 +199,8 @@ def _term_probes(model, data, form, values) -> list:
 
     A term that tells nothing there (negligible, without a gradient: a penalty on
     ReLUs dead for both samples) is probed on the batch's next pairs of samples,
-    up to `_PAIRS` pairs, until it tells; else it keeps the first pair's (a mean).
+    up to `_PAIRS` pairs, until it tells; one silent on all of them counts as a
+    mean (`_term_kind`).
     """
     probes = list(zip(*(_terms(v) for v in values), strict=True))
     x, y = data
