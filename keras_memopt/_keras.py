@@ -170,6 +170,16 @@ def update_metrics(model, x, y, y_pred, sample_weight):
         model.compute_metrics(x, y, y_pred, sample_weight)
 
 
+def compiled_metric_results(model) -> dict:
+    """The compiled metrics' results by name (neither the loss nor the layers' own)."""
+    if LEGACY:
+        container = model.compiled_metrics
+        metrics = container.metrics if container is not None else []
+        return {metric.name: metric.result() for metric in metrics}
+    compiled = getattr(model, "_compile_metrics", None)
+    return dict(compiled.result()) if compiled is not None and compiled.built else {}
+
+
 def scale_loss(optimizer, loss):
     """Applies the loss scale of a mixed-precision optimizer, if any."""
     if optimizer is None:

@@ -45,6 +45,7 @@ from keras_memopt._oom import rollback as _rollback
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
+from keras_memopt._step import metric_check as _metric_check
 
 MEAN, SUM = "mean", "sum"
 
@@ -99,8 +100,10 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
 
     Raises:
         ValueError: for a loss of the outputs that does not average over
-            the samples (unless `whole_batch_loss`), or a term of
-            `model.losses` that neither averages nor sums over them.
+            the samples (unless `whole_batch_loss`), a term of
+            `model.losses` that neither averages nor sums over them, or a
+            compiled metric that does not add up over micro-batches (unless
+            `whole_batch_loss`: `keras_memopt._step.metric_check`).
     """
     if whole_batch_loss and _keras.LEGACY and overrides(model, "compute_loss"):
         raise ValueError(
@@ -130,11 +133,14 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
         probes = _term_probes(model, (x, y), form, (once, again, doubled))
         alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
         metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
+        coupled = [] if whole_batch_loss or y is None else _metric_check.coupled(model, *twice)
         _batch_dependence.warn(model, x)
     finally:
         for metric in model.metrics:  # the loss trackers may be new
             metric.reset_state()
         snapshot.restore(taken)
+    if coupled:
+        raise ValueError(_metric_check.message(coupled))
     if not whole_batch_loss and not np.isnan(once[0]):
         if kind_of(once[0], once[1]) != MEAN:
             raise ValueError(_coupled_message(model, what_changed(once[0], once[1])))
