@@ -177,6 +177,10 @@ class Spec:
     # (None: Keras's default): "sum", or on Keras 3 with `whole_batch_loss`
     # "mean_with_sample_weight" (a ratio of the batch's sums, refused without it).
     reductions: tuple | None = None
+    # With `whole_batch_loss`: a metric of the batch's outputs together on every head
+    # (`batch_mean`, one scalar per batch, which Keras averages over batches; refused
+    # without the option: `keras_memopt._step.metric_check`).
+    batch_metric: bool = False
 
     def describe(self):
         parts = [
@@ -193,7 +197,7 @@ class Spec:
                  "mirrored", "validation", "dataset", "lr_callback", "metrics", "refit",
                  "pruned", "run_eagerly", "strings", "reload", "unfreeze",
                  "embedding_penalty", "shared", "nested", "monitored", "quantized",
-                 "masking", "zero_weights", "listed", "spectral")
+                 "masking", "zero_weights", "listed", "spectral", "batch_metric")
         if self.oom_at:
             parts.append(f"oom_at={self.oom_at}")
         if self.frozen is not None:
@@ -469,6 +473,8 @@ def draw(seed: int) -> Spec:
     endpoint = spec.add_loss and not (spec.mirrored and not LEGACY and len(spec.heads) > 1)
     if endpoint and r.random() < 0.15:
         spec = dataclasses.replace(spec, losses=("none",) * len(spec.heads))
+    if spec.whole_batch_loss and r.random() < 0.3:
+        spec = dataclasses.replace(spec, batch_metric=True)
     return spec
 
 
@@ -1019,7 +1025,14 @@ def _usual_loss(head):
     return keras.losses.MeanSquaredError()
 
 
-def _metrics(head, more):
+def batch_mean(y_true, y_pred):
+    """One scalar for the batch's outputs together, which Keras averages over batches."""
+    return tf.reduce_mean(y_pred)
+
+
+def _metrics(head, more, batch_metric=False):
+    if batch_metric:
+        return [*_metrics(head, more), batch_mean]
     first = {"sparse": "sparse_categorical_accuracy", "categorical": "categorical_accuracy",
              "binary": "binary_accuracy"}.get(head.kind, "mae")
     if not more:
@@ -1056,7 +1069,7 @@ def compile_kwargs(spec):
         _reduced(_loss(h, name), reduction)
         for h, name, reduction in zip(spec.heads, names_of_losses, reductions, strict=True)
     ]
-    metrics = [_metrics(h, spec.metrics) for h in spec.heads]
+    metrics = [_metrics(h, spec.metrics, spec.batch_metric) for h in spec.heads]
     weighted = [m[:1] for m in metrics]  # the accuracy or MAE, weighted
     if spec.outputs == "one":
         kwargs = dict(loss=losses[0], metrics=metrics[0], weighted_metrics=weighted[0])
