@@ -16,6 +16,8 @@ samples. The caller puts back what this changes (`loss_check.check`).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from keras_memopt import _keras
@@ -53,8 +55,10 @@ def _results(model, batches) -> dict:
     for metric in model.metrics:
         metric.reset_state()
     strategy = model.distribute_strategy
-    for x, y in batches:
-        strategy.run(_update, args=(model, x, y))
+    with warnings.catch_warnings():  # Keras's warnings come from the step, once
+        warnings.simplefilter("ignore")
+        for x, y in batches:
+            strategy.run(_update, args=(model, x, y))
     results = _keras.compiled_metric_results(model)
     return {name: np.asarray(value, dtype=np.float64) for name, value in results.items()}
 
