@@ -473,7 +473,9 @@ def draw(seed: int) -> Spec:
     endpoint = spec.add_loss and not (spec.mirrored and not LEGACY and len(spec.heads) > 1)
     if endpoint and r.random() < 0.15:
         spec = dataclasses.replace(spec, losses=("none",) * len(spec.heads))
-    if spec.whole_batch_loss and r.random() < 0.3:
+    # Keras 3 cannot weight a scalar metric by a tagger's mask (plain Keras raises).
+    masked_tokens = not LEGACY and spec.family == "tagger" and spec.mask_zero
+    if spec.whole_batch_loss and not masked_tokens and r.random() < 0.3:
         spec = dataclasses.replace(spec, batch_metric=True)
     return spec
 
