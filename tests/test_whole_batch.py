@@ -343,6 +343,56 @@ def test_a_per_sample_dice_loss_needs_no_option():
     _assert_same(expected, received)
 
 
+def negative_pairs_loss(y_true, y_pred):
+    """Per sample, the mean softplus of its similarity to the batch's samples of
+    another class: zero on samples of one class, which make no negative pair."""
+    labels = tf.reshape(tf.cast(y_true, tf.int32), [-1])
+    embeddings = tf.math.l2_normalize(y_pred, axis=1)
+    similarity = tf.matmul(embeddings, embeddings, transpose_b=True)
+    negative = tf.cast(labels[:, None] != labels[None, :], similarity.dtype)
+    total = tf.reduce_sum(negative * tf.nn.softplus(5.0 * similarity), axis=1)
+    return total / tf.maximum(tf.reduce_sum(negative, axis=1), 1.0)
+
+
+def _fit_embedder(model, loss):
+    rng = np.random.RandomState(2)
+    x = rng.normal(size=(36, 6)).astype("float32")
+    # The first two samples share a class: on them alone the loss is zero.
+    y = np.array([0, 0, 1, 2, 1, 0] * 6, "int32")
+    model.compile(keras.optimizers.Adam(0.01), loss)
+    history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    return model, history.history, model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+
+
+def _embedder(cls, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    return cls(inputs, layers.Dense(4)(layers.Dense(8, activation="relu")(inputs)), **kwargs)
+
+
+@pytest.mark.parametrize("loss", ["negative_pairs"] + ([] if LEGACY else ["circle"]))
+def test_a_loss_of_pairs_zero_on_the_first_two_samples_is_refused_and_exact_with_the_option(loss):
+    """A loss of pairs of the batch's samples is zero on two samples of one class,
+    and on them repeated: the first two samples tell nothing, the next pairs do.
+    Before, Keras 3's `Circle` trained silently to other weights (relative error 1.2
+    after two epochs of this model)."""
+    fresh = {"negative_pairs": lambda: negative_pairs_loss,
+             "circle": lambda: keras.losses.Circle()}[loss]
+    model = _embedder(AccumulatingModel, micro_batch_size=4)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"this compiled loss is not: on the same outputs it "
+                       r".*a contrastive loss.*whole_batch_loss=True"):
+        _fit_embedder(model, fresh())
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == 0
+    _assert_same(
+        _fit_embedder(_embedder(keras.Model), fresh()),
+        _fit_embedder(_embedder(AccumulatingModel, micro_batch_size=4, whole_batch_loss=True),
+                      fresh()),
+    )
+
+
 def test_a_loss_function_that_ignores_a_class_itself_is_refused_and_exact_with_the_option():
     """Keras divides such a loss by the elements its values' mask keeps, which only
     the loss's own `ignore_class` setting says before the loop: a plain function

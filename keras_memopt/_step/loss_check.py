@@ -130,6 +130,7 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     try:
         once = _probe(model, pair, form, None if whole_batch_loss else split)
         again, doubled = _probe(model, pair, form, None), _probe(model, twice, form, None)
+        told = once if whole_batch_loss else _loss_probe(model, (x, y), form, split, once)
         probes = _term_probes(model, (x, y), form, (once, again, doubled))
         alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
         metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
@@ -141,12 +142,12 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
         snapshot.restore(taken)
     if coupled:
         raise ValueError(_metric_check.message(coupled))
-    if not whole_batch_loss and not np.isnan(once[0]):
-        if kind_of(once[0], once[1]) != MEAN:
-            raise ValueError(_coupled_message(model, what_changed(once[0], once[1])))
-        parts, magnitude, own, alone, rtol = once[2:7]
-        if not adds_up(once[0], parts, magnitude, rtol):
-            raise ValueError(_coupled_message(model, what_split(once[0], parts)))
+    if not whole_batch_loss and not np.isnan(told[0]):
+        if kind_of(told[0], told[1]) != MEAN:
+            raise ValueError(_coupled_message(model, what_changed(told[0], told[1])))
+        parts, magnitude, own, alone, rtol = told[2:7]
+        if not adds_up(told[0], parts, magnitude, rtol):
+            raise ValueError(_coupled_message(model, what_split(told[0], parts)))
         if not adds_up(own, alone, magnitude, rtol):
             raise ValueError(_coupled_message(model, what_split(own, alone, alone=True)))
     terms = []
@@ -221,6 +222,25 @@ def _term_probes(model, data, form, values) -> list:
         for index in silent:
             probes[index] = tuple(terms[index] for terms in found)
     return probes
+
+
+def _loss_probe(model, data, form, split, once) -> list:
+    """The probe of the compiled loss on the first of the batch's pairs of samples
+    where it tells something (`once`: the probe of the first two samples).
+
+    A loss that is zero on two samples and on them repeated tells nothing: a loss
+    of pairs of the batch's samples is zero on two that make no pair of the kind
+    it needs (`keras.losses.Circle` on two samples of one class: no negative),
+    and couples the samples all the same. It is probed on the next pairs, up to
+    `_PAIRS` pairs; one zero on all of them counts as a mean.
+    """
+    x, y = data
+    for start in range(2, min(int(_loop.batch_size_of(x)) - 1, 2 * _PAIRS), 2):
+        if max(abs(once[0]), abs(once[1])) >= _NEGLIGIBLE or np.isnan(once[0]):
+            break
+        pair = _loop.micro_slice(x, start, 2), _loop.micro_slice(y, start, 2)
+        once = _probe(model, pair, form, split)
+    return once
 
 
 def _tells_nothing(once, again, doubled) -> bool:
@@ -436,5 +456,5 @@ def what_split(whole, parts, alone=False):
 
 
 def what_changed(once, twice):
-    ratio = twice / once if once else np.inf
-    return f"went from {once:.6g} to {twice:.6g} (x{ratio:.3g}) when every sample was repeated"
+    ratio = f" (x{twice / once:.3g})" if once else ""
+    return f"went from {once:.6g} to {twice:.6g}{ratio} when every sample was repeated"
