@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove
 from conftest import LEGACY
+from test_whole_batch import negative_pairs_loss
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
@@ -367,6 +368,31 @@ class TestCoupledLoss:
         assert len(caught) == 1
         assert "as the sum of each sample's loss weighted by its share" in str(caught[0].message)
         assert not self._fit(dice, forward=True)
+
+    def test_a_loss_of_pairs_zero_on_the_first_two_samples_is_warned_about(self):
+        """Zero on two samples of one class and on them repeated: the next pair tells."""
+
+        class Pairs(AccumulatingModel):
+            def train_step(self, data):
+                def loss_fn(micro):
+                    x, y = micro
+                    return tf.reduce_mean(negative_pairs_loss(y, self(x, training=True)))
+
+                variables = self.trainable_variables
+                loss, grads = self.accumulate_gradients(loss_fn, data, variables)
+                self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+                return {"loss": loss}
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        model = Pairs(inputs, layers.Dense(4)(inputs), micro_batch_size=4)
+        model.compile(keras.optimizers.SGD(0.1))
+        x = np.random.RandomState(0).normal(size=(24, 6)).astype("float32")
+        y = np.array([0, 0, 1, 2, 1, 0] * 4, "int32")  # the first two: one class
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+        assert len([w for w in caught if "not a mean of per-sample terms" in str(w.message)]) == 1
 
     def test_a_mean_is_not(self):
         assert not self._fit(lambda outputs: tf.reduce_mean(tf.square(outputs)))

@@ -9,7 +9,8 @@ calls neither it nor `super().train_step` saves no memory, and is told so.
 Before the first step, a custom step runs once eagerly on the batch's first
 two samples, as far as its first `accumulate_gradients` call
 (`_check_custom_loss`): its `loss_fn` is evaluated on those samples, again,
-on the samples repeated and on each sample alone. A per-sample mean keeps its
+on the samples repeated and on each sample alone (on the next two samples
+while it is zero on both: `loss_check.PAIRS`). A per-sample mean keeps its
 value on the repeated samples and is the mean of the samples' own; a loss
 that does neither couples the samples (a contrastive loss, a ratio of the
 batch's sums such as a Dice loss), which micro-batches cannot add up, and is
@@ -31,8 +32,9 @@ from keras_memopt._step import loop as _loop
 from keras_memopt._step import whole_batch as _whole_batch
 from keras_memopt._step.loss_check import (
     MEAN,
+    NEGLIGIBLE,
+    PAIRS,
     adds_up,
-    first_samples,
     kind_of,
     repeat,
     sample,
@@ -112,29 +114,19 @@ class CustomSteps:
         ):
             return
         _CHECKED_CUSTOM_LOSSES.add(cls)
-        # Everything the step may change before it splits its batch (a plain
-        # tape's update, a second optimizer's, the variables a tf_keras
-        # optimizer makes at its first update), put back from host memory.
-        state = _rollback.HostCopy(_rollback.state_variables(self), self.distribute_strategy)
-        made = _rollback.MadeVariables()
-        self._run.probing = True
-        try:
-            with made.recording():
-                self.train_step(first_samples(data, 2))
-            return  # it did not split the batch after all
-        except _Probed as probed:
-            values, error = probed.values, probed.error
-        except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
-            return
-        finally:
-            self._run.probing = False
-            state.restore()
-            made.restore()
-        if error is not None:
-            raise error
-        if values is None:
-            return
-        rtol, (once, again, twice, *alone) = values
+        # A loss zero on two samples and on them repeated tells nothing (a loss of
+        # pairs of samples on two that make none of the pairs it needs): the
+        # batch's next pairs, as the model's own loss check probes them.
+        size = int(_loop.batch_size_of(data))
+        for start in range(0, max(min(size - 1, 2 * PAIRS), 1), 2):
+            values, error = self._probe_run(_loop.micro_slice(data, start, 2))
+            if error is not None:
+                raise error
+            if values is None:
+                return
+            rtol, (once, again, twice, *alone) = values
+            if max(abs(once), abs(twice)) >= NEGLIGIBLE:
+                break
         if abs(again - once) > 1e-6 * max(abs(once), 1e-12):
             return  # random draws: not checked
         changed = what_changed(once, twice) if kind_of(once, twice) != MEAN else None
@@ -153,6 +145,28 @@ class CustomSteps:
                 "`forward=lambda micro_batch: outputs` and a `loss_fn(outputs, data)` of "
                 "the whole batch's outputs to `accumulate_gradients`.",
             )
+
+    def _probe_run(self, pair):
+        """`(values, error)` of one probe run of the step on two samples `pair`
+        (both None: it did not split the batch, or cannot run eagerly)."""
+        # Everything the step may change before it splits its batch (a plain
+        # tape's update, a second optimizer's, the variables a tf_keras
+        # optimizer makes at its first update), put back from host memory.
+        state = _rollback.HostCopy(_rollback.state_variables(self), self.distribute_strategy)
+        made = _rollback.MadeVariables()
+        self._run.probing = True
+        try:
+            with made.recording():
+                self.train_step(pair)
+            return None, None  # it did not split the batch after all
+        except _Probed as probed:
+            return probed.values, probed.error
+        except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
+            return None, None
+        finally:
+            self._run.probing = False
+            state.restore()
+            made.restore()
 
     def _probe_own_step(self, data):
         """In the probe run, at `super().train_step(data)`: the model's own loss check, then out."""

@@ -187,7 +187,7 @@ def _coupled_message(model, changed):
 
 # A term this small tells nothing by its value (a sum of LayerNormalization
 # outputs is zero until their offsets move): its gradient decides.
-_NEGLIGIBLE = 1e-6
+NEGLIGIBLE = 1e-6
 
 
 def _terms(values):
@@ -197,7 +197,7 @@ def _terms(values):
 
 
 # How many pairs of the first batch's samples a term that tells nothing is probed on.
-_PAIRS = 8
+PAIRS = 8
 
 
 def _term_probes(model, data, form, values) -> list:
@@ -206,13 +206,13 @@ def _term_probes(model, data, form, values) -> list:
 
     A term that tells nothing there (negligible, without a gradient: a penalty on
     ReLUs dead for both samples) is probed on the batch's next pairs of samples,
-    up to `_PAIRS` pairs, until it tells; one silent on all of them counts as a
+    up to `PAIRS` pairs, until it tells; one silent on all of them counts as a
     mean (`_term_kind`).
     """
     probes = list(zip(*(_terms(v) for v in values), strict=True))
     x, y = data
     size = int(_loop.batch_size_of(x))
-    for start in range(2, min(size - 1, 2 * _PAIRS), 2):
+    for start in range(2, min(size - 1, 2 * PAIRS), 2):
         silent = [i for i, probe in enumerate(probes) if _tells_nothing(*probe)]
         if not silent:
             break
@@ -232,11 +232,11 @@ def _loss_probe(model, data, form, split, once) -> list:
     of pairs of the batch's samples is zero on two that make no pair of the kind
     it needs (`keras.losses.Circle` on two samples of one class: no negative),
     and couples the samples all the same. It is probed on the next pairs, up to
-    `_PAIRS` pairs; one zero on all of them counts as a mean.
+    `PAIRS` pairs; one zero on all of them counts as a mean.
     """
     x, y = data
-    for start in range(2, min(int(_loop.batch_size_of(x)) - 1, 2 * _PAIRS), 2):
-        if max(abs(once[0]), abs(once[1])) >= _NEGLIGIBLE or np.isnan(once[0]):
+    for start in range(2, min(int(_loop.batch_size_of(x)) - 1, 2 * PAIRS), 2):
+        if max(abs(once[0]), abs(once[1])) >= NEGLIGIBLE or np.isnan(once[0]):
             break
         pair = _loop.micro_slice(x, start, 2), _loop.micro_slice(y, start, 2)
         once = _probe(model, pair, form, split)
@@ -244,7 +244,7 @@ def _loss_probe(model, data, form, split, once) -> list:
 
 
 def _tells_nothing(once, again, doubled) -> bool:
-    return max(abs(once[0]), abs(doubled[0])) < _NEGLIGIBLE and max(once[1], doubled[1]) == 0
+    return max(abs(once[0]), abs(doubled[0])) < NEGLIGIBLE and max(once[1], doubled[1]) == 0
 
 
 def _term_kind(once, again, doubled):
@@ -256,7 +256,7 @@ def _term_kind(once, again, doubled):
     it sums over them; a term negligible with no gradient does nothing yet,
     and counts as a mean.
     """
-    if max(abs(once[0]), abs(doubled[0])) >= _NEGLIGIBLE:
+    if max(abs(once[0]), abs(doubled[0])) >= NEGLIGIBLE:
         return kind_of(once[0], doubled[0], spread=abs(again[0] - once[0]))
     if _tells_nothing(once, again, doubled):
         return MEAN
