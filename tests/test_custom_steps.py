@@ -312,6 +312,19 @@ class TestAccumulateGradients:
         )
 
 
+def _coupling_warnings(cls, micro_batch_size, x, y, **fit):
+    """The warnings that a `cls` (a one-Dense model) fitted on `x`, `y` gives about
+    a `loss_fn` that is not a mean of per-sample terms."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = cls(inputs, layers.Dense(4)(inputs), micro_batch_size=micro_batch_size)
+    model.compile(keras.optimizers.SGD(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, verbose=0, **fit)
+    return [w for w in caught if "not a mean of per-sample terms" in str(w.message)]
+
+
 class TestCoupledLoss:
     """A `loss_fn` that couples the samples is warned about once, before the first step."""
 
@@ -333,16 +346,9 @@ class TestCoupledLoss:
                 self.optimizer.apply_gradients(zip(grads, variables, strict=True))
                 return {"contrastive": loss}
 
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((6,))
-        model = Contrastive(inputs, layers.Dense(4)(inputs), micro_batch_size=5)
-        model.compile(keras.optimizers.SGD(0.1))
         rng = np.random.RandomState(0)
         x, y = rng.normal(size=(20, 6)).astype("float32"), np.zeros((20, 1), "float32")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.fit(x, y, batch_size=10, epochs=2, verbose=0)
-        return [w for w in caught if "not a mean of per-sample terms" in str(w.message)]
+        return _coupling_warnings(Contrastive, 5, x, y, batch_size=10, epochs=2)
 
     def test_a_contrastive_loss_fn_is_warned_about(self):
         def contrastive(outputs):
@@ -383,16 +389,9 @@ class TestCoupledLoss:
                 self.optimizer.apply_gradients(zip(grads, variables, strict=True))
                 return {"loss": loss}
 
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((6,))
-        model = Pairs(inputs, layers.Dense(4)(inputs), micro_batch_size=4)
-        model.compile(keras.optimizers.SGD(0.1))
         x = np.random.RandomState(0).normal(size=(24, 6)).astype("float32")
         y = np.array([0, 0, 1, 2, 1, 0] * 4, "int32")  # the first two: one class
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.fit(x, y, batch_size=12, epochs=1, verbose=0)
-        assert len([w for w in caught if "not a mean of per-sample terms" in str(w.message)]) == 1
+        assert len(_coupling_warnings(Pairs, 4, x, y, batch_size=12, epochs=1)) == 1
 
     def test_a_mean_is_not(self):
         assert not self._fit(lambda outputs: tf.reduce_mean(tf.square(outputs)))

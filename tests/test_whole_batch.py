@@ -319,19 +319,23 @@ def test_a_ratio_of_the_batchs_sums_is_refused_and_exact_with_the_option(loss):
     a time show it is no mean of per-sample terms; silently, the micro-batches'
     weighted Dice losses would train another model."""
     fresh = {"soft_dice": lambda: soft_dice}.get(loss) or getattr(keras.losses, loss.title())
-    model = _segmenter(AccumulatingModel, micro_batch_size=8)
+    refused = r"as the sum of each sample's loss weighted by its share.*a Dice loss"
+    _assert_refused_and_exact_with_the_option(_segmenter, _fit_segmenter, fresh, refused, 8)
+
+
+def _assert_refused_and_exact_with_the_option(build, fit, fresh, refused, micro_batch_size):
+    """The loss `fresh()` is refused at the first step, before any update, with a
+    message matching `refused` that points to the option; with the option, weights
+    and every figure are plain Keras's at the whole batch."""
+    model = build(AccumulatingModel, micro_batch_size=micro_batch_size)
     before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match=r"as the sum of each sample's loss weighted by its "
-                       r"share.*a Dice loss.*whole_batch_loss=True"):
-        _fit_segmenter(model, fresh())
+    with pytest.raises(ValueError, match=refused + ".*whole_batch_loss=True"):
+        fit(model, fresh())
     for a, b in zip(before, model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(model.optimizer.iterations) == 0
-    _assert_same(
-        _fit_segmenter(_segmenter(keras.Model), fresh()),
-        _fit_segmenter(_segmenter(AccumulatingModel, micro_batch_size=8, whole_batch_loss=True),
-                       fresh()),
-    )
+    option = build(AccumulatingModel, micro_batch_size=micro_batch_size, whole_batch_loss=True)
+    _assert_same(fit(build(keras.Model), fresh()), fit(option, fresh()))
 
 
 @pytest.mark.skipif(LEGACY, reason="Keras 3's Dice loss")
@@ -378,19 +382,8 @@ def test_a_loss_of_pairs_zero_on_the_first_two_samples_is_refused_and_exact_with
     after two epochs of this model)."""
     fresh = {"negative_pairs": lambda: negative_pairs_loss,
              "circle": lambda: keras.losses.Circle()}[loss]
-    model = _embedder(AccumulatingModel, micro_batch_size=4)
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match=r"this compiled loss is not: on the same outputs it "
-                       r".*a contrastive loss.*whole_batch_loss=True"):
-        _fit_embedder(model, fresh())
-    for a, b in zip(before, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert int(model.optimizer.iterations) == 0
-    _assert_same(
-        _fit_embedder(_embedder(keras.Model), fresh()),
-        _fit_embedder(_embedder(AccumulatingModel, micro_batch_size=4, whole_batch_loss=True),
-                      fresh()),
-    )
+    refused = r"this compiled loss is not: on the same outputs it .*a contrastive loss"
+    _assert_refused_and_exact_with_the_option(_embedder, _fit_embedder, fresh, refused, 4)
 
 
 def test_a_loss_function_that_ignores_a_class_itself_is_refused_and_exact_with_the_option():
