@@ -104,7 +104,8 @@ class CustomSteps:
         `super().train_step(data)`: the model's own loss check; the first
         `accumulate_gradients(loss_fn, ...)`: a `loss_fn` that couples the
         samples is warned about. The step runs eagerly as far as that call on
-        the batch's first two samples; what it changed is put back.
+        the batch's first two samples (the next two while the loss is zero on
+        both); what it changed is put back.
         """
         cls = type(self)
         if (
