@@ -274,7 +274,8 @@ class CustomSteps:
                 scaled = _keras.scale_loss(optimizer, loss)
             return _loop.widened(loss), tape.gradient(scaled, variables)
 
-        return _loop.accumulate(micro_step, data, size, jit_compile=jit)
+        folds = ("sum", _loop.gradient_folds(variables))
+        return _loop.accumulate(micro_step, data, size, jit_compile=jit, reductions=folds)
 
 
 def _warn_at(function, message):

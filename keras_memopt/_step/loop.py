@@ -248,6 +248,16 @@ class _RunningSum:
         return tf.ensure_shape(tf.cast(state[0], self.spec.dtype), self.spec.shape)
 
 
+def gradient_folds(variables) -> list:
+    """How each variable's gradient folds over the micro-batches, for `accumulate`'s
+    `reductions`: summed, but the maximum for a variable the optimizer overwrites
+    with its "gradient" (`overwrite_with_gradient`: the scales and amax histories
+    of Keras 3's float8 training, which each micro-batch computes from the same
+    old value and its own samples' largest magnitude; their maximum is the whole
+    batch's)."""
+    return ["max" if getattr(v, "overwrite_with_gradient", False) else "sum" for v in variables]
+
+
 def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
     """Runs `fn(micro_batch, *args)` over `data` in micro-batches of `size`; sums its outputs.
 

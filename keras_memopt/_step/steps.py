@@ -188,7 +188,7 @@ class MicroBatchSteps:
             step = functools.partial(micro_pass, micro, counts)
             return self._layer_metrics_weighted(micro, replica_batch, step)
 
-        reductions = ("sum", ["sum"] * len(variables), per_update.reductions())
+        reductions = ("sum", _loop.gradient_folds(variables), per_update.reductions())
         (loss, gradients, extremes), scale = self._micro_batch_pass(
             micro_step, (x, y, sample_weight), batch_size, reductions
         )

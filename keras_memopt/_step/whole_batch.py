@@ -169,7 +169,8 @@ class WholeBatch:
             return tape.gradient(scaled, variables)
 
         return _loop.accumulate(
-            second, (data, output_gradients, positions), size, jit_compile=self.jit_compile
+            second, (data, output_gradients, positions), size, jit_compile=self.jit_compile,
+            reductions=_loop.gradient_folds(variables),
         )
 
     def gradients(self, loss_fn, data, size, variables, optimizer):
