@@ -10,9 +10,9 @@ apart); their maximum is the whole batch's value (`_loop.gradient_folds`).
 
 Compared in float64, where the float8 round trip of values that agree to float64
 rounding gives the same float8 numbers: in float32, a matrix product's rows round
-differently at another batch size, and the 2-bit mantissa of the gradients' float8
-turns one such difference into a step of a quarter (relative differences of a few
-percent after one step, in plain Keras at two batch sizes as much).
+differently at another number of rows (a Dense's input gradient, 4 rows against 16:
+every row differs in its last bit), and the 2-bit mantissa of the gradients' float8
+turns such a difference into a step of a quarter (3.7% on a bias after one SGD step).
 """
 
 import numpy as np
