@@ -18,7 +18,9 @@ repeated (`x2 + x2`), in inference mode and with no state left changed:
   mean of per-sample terms gives the batch's loss, a ratio of sums does not.
   Each sample's part is also compared with the batch's loss weighted one on
   that sample and zero elsewhere, which differ when Keras divides by a count
-  the shares do not know (a loss function that ignores a class itself);
+  the shares do not know (a loss function that ignores a class itself). A
+  loss zero on the two samples and on them repeated tells nothing (a loss of
+  pairs of samples on two of one class): the batch's next pairs are probed;
 - each term of `model.losses` (`add_loss`, activity and weight
   regularisers) comes from its own forward pass: `MEAN` when it keeps its
   value on the repeated samples (or does not depend on them), `SUM` when it
