@@ -100,3 +100,11 @@ def test_float8_training_in_a_custom_step_matches_plain_keras():
     for va, vb in zip(expected[0].variables, received[0].variables, strict=True):
         np.testing.assert_allclose(np.asarray(vb), np.asarray(va), rtol=RTOL, atol=1e-13,
                                    err_msg=va.path)
+
+
+def test_float8_training_under_mirrored_strategy_matches_plain_keras(mirrored_strategy):
+    """Each replica folds its micro-batches' values by their maximum; the optimizer
+    takes the replicas' values as in plain Keras."""
+    with mirrored_strategy.scope():
+        plain, accumulating = _model(keras.Model), _model(AccumulatingModel, micro_batch_size=3)
+    _assert_same(_fit(plain), _fit(accumulating))
