@@ -92,6 +92,16 @@ def keras_module():
     return keras
 
 
+@pytest.fixture
+def float64_keras():
+    """Keras's float type float64 for the test (`_fuzz.float64`): for modules whose
+    oracle is plain Keras in float64, `pytest.mark.usefixtures("float64_keras")`."""
+    from _fuzz import float64
+
+    with float64():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _clear_session():
     from keras_memopt._keras import keras

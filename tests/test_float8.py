@@ -17,20 +17,16 @@ turns such a difference into a step of a quarter (3.7% on a bias after one SGD s
 
 import numpy as np
 import pytest
-from _fuzz import float64
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import LEGACY, keras
 
-pytestmark = pytest.mark.skipif(LEGACY, reason="Keras 3's float8 training")
+pytestmark = [
+    pytest.mark.skipif(LEGACY, reason="Keras 3's float8 training"),
+    pytest.mark.usefixtures("float64_keras"),
+]
 layers = keras.layers
 RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    with float64():
-        yield
 
 
 def _data():

@@ -14,21 +14,17 @@ starts at the weights, as the optimizer says.
 
 import numpy as np
 import pytest
-from _fuzz import float64
 from _oracles import build_first
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import LEGACY, keras
 
-pytestmark = pytest.mark.skipif(LEGACY, reason="Keras 3's optimizers")
+pytestmark = [
+    pytest.mark.skipif(LEGACY, reason="Keras 3's optimizers"),
+    pytest.mark.usefixtures("float64_keras"),
+]
 layers = keras.layers
 RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    with float64():
-        yield
 
 
 def _optimizer(name):

@@ -14,19 +14,13 @@ import warnings
 import numpy as np
 import pytest
 from _faults import OutOfMemoryInBackward
-from _fuzz import float64
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import LEGACY, keras
 from keras_memopt.callbacks import OOMBackoff
 
 layers = keras.layers
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    with float64():
-        yield
+pytestmark = pytest.mark.usefixtures("float64_keras")
 
 
 def _model(cls=keras.Model, fault=None, **kwargs):
