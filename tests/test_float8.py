@@ -34,10 +34,10 @@ def _data():
     return rng.normal(size=(40, 12)), rng.randint(0, 4, 40)
 
 
-def _model(cls, **kwargs):
+def _model(cls, activity_regularizer=None, **kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12,))
-    hidden = layers.Dense(16, activation="relu")(inputs)
+    hidden = layers.Dense(16, activation="relu", activity_regularizer=activity_regularizer)(inputs)
     model = cls(inputs, layers.Dense(4)(hidden), **kwargs)
     model.quantize("float8")
     model.compile(
@@ -79,6 +79,16 @@ def test_float8_training_matches_plain_keras(options):
     and amax histories too, and every logged figure, after four updates."""
     _assert_same(
         _fit(_model(keras.Model)), _fit(_model(AccumulatingModel, micro_batch_size=6, **options))
+    )
+
+
+def test_float8_training_with_an_activity_regularizer_matches_plain_keras():
+    """The regulariser's term passes through the float8 layer's gradient: the
+    first step's check of `model.losses` takes it in a graph (an eager
+    `tape.gradient` through a float8 `Dense` raises, in plain Keras too)."""
+    _assert_same(
+        _fit(_model(keras.Model, activity_regularizer="l2")),
+        _fit(_model(AccumulatingModel, activity_regularizer="l2", micro_batch_size=6)),
     )
 
 

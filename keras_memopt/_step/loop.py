@@ -255,7 +255,13 @@ def gradient_folds(variables) -> list:
     of Keras 3's float8 training, which each micro-batch computes from the same
     old value and its own samples' largest magnitude; their maximum is the whole
     batch's)."""
-    return ["max" if getattr(v, "overwrite_with_gradient", False) else "sum" for v in variables]
+    return ["max" if overwritten(v) else "sum" for v in variables]
+
+
+def overwritten(variable) -> bool:
+    """Whether the optimizer overwrites `variable` with its "gradient" (Keras 3's
+    float8 scales and amax histories)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):

@@ -42,7 +42,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras, _keras_losses
+from keras_memopt import _autograph, _keras, _keras_losses
 from keras_memopt._oom import rollback as _rollback
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import layer_metrics as _layer_metrics
@@ -267,11 +267,22 @@ def _term_kind(once, again, doubled):
 
 def _probe(model, data, form, split):
     """`_evaluate(model, *data, ...)` in a replica's context (where Keras updates its
-    loss trackers), as a list; Keras's warnings come from the step, once."""
+    loss trackers), as a list; Keras's warnings come from the step, once.
+
+    Eager, but in a `tf.function` for a model with float8 layers: Keras 3's
+    float8 `Dense` takes gradients only in a graph (an eager `tape.gradient`
+    through it raises, in plain Keras with `run_eagerly=True` too).
+    """
     strategy = model.distribute_strategy
+
+    def run(x, y):
+        return strategy.run(_evaluate, args=(model, x, y, form, split))
+
+    if any(_loop.overwritten(v) for v in model.trainable_variables):
+        run = _autograph.function(run)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        values = strategy.run(_evaluate, args=(model, *data, form, split))
+        values = run(*data)
     return strategy.experimental_local_results(values)[0].numpy().tolist()
 
 

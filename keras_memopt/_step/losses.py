@@ -207,7 +207,7 @@ class LossSplit:
             parts.append(self._compiled_share(*one[1:], None, share, valid, form=form))
             own.append(self._weighted_on(index, count, y, y_pred))
         parts, own = (tf.stack([tf.cast(v, tf.float64) for v in vs]) for vs in (parts, own))
-        worst = tf.argmax(tf.where(tf.math.is_nan(own), 0.0, tf.abs(own - parts)))
+        worst = tf.argmax(tf.where(tf.math.is_nan(own), tf.zeros_like(own), tf.abs(own - parts)))
         return tf.reduce_sum(parts), tf.reduce_sum(tf.abs(parts)), own[worst], parts[worst]
 
     def _weighted_on(self, index, count, y, y_pred):
