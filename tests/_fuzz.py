@@ -35,7 +35,8 @@ weights of which about 40% are zero, two inputs as a list, each head in a
 `SpectralNormalization`, on Keras 3 its `Muon` or `ScheduleFreeAdamW`, and each
 head's loss summing over the batch (`reduction="sum"`) or, on Keras 3 with
 `whole_batch_loss`, dividing by the sum of its weights (`"mean_with_sample_weight"`),
-and no loss for any output, the model trained on its `add_loss` terms alone.
+no loss for any output, the model trained on its `add_loss` terms alone, and on
+Keras 3 its Dense layers trained in float8 (`model.quantize("float8")`).
 
 `run(spec)` trains the model as an `AccumulatingModel` and as plain Keras at
 the whole batch, from the same weights on the same batches, with
@@ -144,6 +145,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     if initial is not None:
         model.set_weights(initial)
     initial = model.get_weights()
+    if spec.float8:
+        model.quantize("float8")
     _compile(model, spec, accumulating)
     callbacks, fault = fit_callbacks(spec), None
     if spec.lr_callback:

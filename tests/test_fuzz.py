@@ -248,6 +248,15 @@ AXES = {
         family="pooled", mask_zero=True, outputs="dict", heads=TWO, sample_weight="output_dict",
         loss_weights=True, reductions=("sum", None),
     ),
+    # Keras 3's float8 training: an activity regulariser and an `add_loss` term through
+    # float8 layers (the first step's check takes their gradients in a graph), with a
+    # backoff; and in recomputed segments.
+    "float8-with-an-activity-regulariser-an-add-loss-and-a-backoff": case(
+        regularize=True, add_loss="mean", oom_at=5, float8=True,
+    ),
+    "float8-in-recomputed-segments": case(
+        family="pooled", mask_zero=True, remat="each", optimizer="AdamW", float8=True,
+    ),
 }
 
 
@@ -255,6 +264,8 @@ AXES = {
 def test_axis_case_matches_plain_keras(name):
     if not hasattr(keras.optimizers, AXES[name].optimizer):
         pytest.skip(f"{AXES[name].optimizer} is Keras 3's")
+    if LEGACY and AXES[name].float8:
+        pytest.skip("float8 training is Keras 3's")
     result = run(AXES[name])
     assert result.passed, result.line()
 
