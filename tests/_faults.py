@@ -82,12 +82,16 @@ class OutOfMemoryOnce(keras.layers.Layer):
     `raised` counts errors.
     """
 
-    def __init__(self, at=None, replica=None, delay=0.0, **kwargs):
+    def __init__(self, at=None, replica=None, delay=0.0, training_only=False, **kwargs):
         super().__init__(**kwargs)
         self.at, self.runs, self.raised = at, 0, 0
         # With `replica`, only that replica's runs count (under a strategy);
         # `delay` seconds pass before the error, while other replicas go on.
         self.replica, self.delay = replica, delay
+        # With `training_only`, no run in inference mode counts: not evaluation's,
+        # nor the first step's probes, which run in a graph for a model with
+        # float8 layers (`keras_memopt._step.loss_check`).
+        self.training_only = training_only
         self.supports_masking = True
 
     def _check(self, rows, replica):
@@ -100,8 +104,8 @@ class OutOfMemoryOnce(keras.layers.Layer):
                 raise tf.errors.ResourceExhaustedError(None, None, MESSAGE.format(rows=rows))
         return rows
 
-    def call(self, inputs):
-        if tf.executing_eagerly():
+    def call(self, inputs, training=None):
+        if tf.executing_eagerly() or (self.training_only and not training):
             return tf.identity(inputs)
         context = tf.distribute.get_replica_context()
         replica = 0 if context is None else context.replica_id_in_sync_group
