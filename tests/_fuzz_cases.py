@@ -732,10 +732,11 @@ def make_layers(spec):
 
 
 def arm_fault(model, spec):
-    """Sets the model's fault layer to fail at its `spec.oom_at`-th run from now."""
+    """Sets the model's fault layer to fail at its `spec.oom_at`-th run from now (in
+    training only, for float8 layers: the first step's probes run in a graph there)."""
     for layer in model._flatten_layers():
         if isinstance(layer, OutOfMemoryOnce):
-            layer.at, layer.runs = spec.oom_at, 0
+            layer.at, layer.runs, layer.training_only = spec.oom_at, 0, spec.float8
             return layer
     raise ValueError(f"no fault layer in {model.name}")
 
