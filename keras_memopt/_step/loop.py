@@ -258,6 +258,25 @@ def gradient_folds(variables) -> list:
     return ["max" if overwritten(v) else "sum" for v in variables]
 
 
+def every_replica(tensors) -> list:
+    """The control inputs that hold an op back until every replica has computed its
+    `tensors` (a nest): an all-reduce of one number that waits for them; none with
+    one replica.
+
+    An update waits for its gradients through it: Keras's optimizer assigns a
+    variable it overwrites with its "gradient" (Keras 3's float8 scales and amax
+    histories) in each replica's context, before the all-reduce of the other
+    gradients. Without it a replica assigned them while another replica's loop
+    still ran, and an out-of-memory error there left them assigned for the retry.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return []
+    flat = [t for t in tf.nest.flatten(tensors, expand_composites=True) if t is not None]
+    with tf.control_dependencies(flat):
+        return [context.all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([]))]
+
+
 def overwritten(variable) -> bool:
     """Whether the optimizer overwrites `variable` with its "gradient" (Keras 3's
     float8 scales and amax histories)."""

@@ -89,23 +89,6 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
         inner.aggregate_gradients = summed_aggregate
 
 
-def _every_replica(context) -> tf.Tensor:
-    """A scalar that is there once every replica has reached it (an all-reduce;
-    a constant with one replica).
-
-    The update waits for it: Keras's optimizer assigns a variable it overwrites
-    with its "gradient" (Keras 3's float8 scales and amax histories) in each
-    replica's context, before the all-reduce of the other gradients. Without
-    it a replica assigned them while another replica's loop still ran, and an
-    out-of-memory error there left them assigned for the retry (an amax
-    history rolled twice).
-    """
-    one = tf.ones([])
-    if context is None or context.num_replicas_in_sync == 1:
-        return one
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, one)
-
-
 class UpdateGuard:
     """Lets a step's update start only where it fits, and says whether it began.
 
@@ -160,9 +143,7 @@ class UpdateGuard:
         ]
         context = tf.distribute.get_replica_context()
         replica = 0 if context is None else context.replica_id_in_sync_group
-        with tf.control_dependencies(summed):
-            ready = _every_replica(context)
-        with tf.control_dependencies([ready]):
+        with tf.control_dependencies(summed + _loop.every_replica(summed)):
             marked = self._began.assign(1, read_value=False)
             shape = tf.stack([self._reserve_kib.read_value(), _KIB])
             block = tf.raw_ops.Empty(shape=shape, dtype=tf.uint8, name=UPDATE_RESERVATION_OP)
