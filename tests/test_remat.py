@@ -127,6 +127,41 @@ class TestRemat:
             assert 0.3 < kept.mean() < 0.7
             np.testing.assert_allclose(gradient, np.where(kept, c / 0.5, 0.0), rtol=1e-6)
 
+    def test_a_variable_the_outputs_do_not_depend_on_gets_no_gradient(self):
+        """None, as from a tape over the layer unwrapped, which the optimizer skips. A
+        zero moved it with AdamW's weight decay, and overwrote Keras 3's float8 scales,
+        which a float8 Dense reads in inference mode, with zero (tests/test_float8.py)."""
+
+        class Gated(layers.Layer):  # reads a variable its output does not depend on
+            def build(self, input_shape):
+                self.unused = self.add_weight(name="unused", shape=(), initializer="ones")
+
+            def call(self, x):
+                return x * tf.stop_gradient(self.unused)
+
+        def model(cls, wrap, **kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((16,))
+            gated = Gated()
+            hidden = (Remat(gated) if wrap else gated)(layers.Dense(8)(inputs))
+            model = cls(inputs, layers.Dense(3)(hidden), **kwargs)
+            model.compile(
+                keras.optimizers.AdamW(0.01, weight_decay=0.5),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            return model
+
+        x, y = _data()
+        plain, recomputed = model(keras.Model, False), model(AccumulatingModel, True,
+                                                                 micro_batch_size=16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # plain Keras: "Gradients do not exist for ..."
+            for each in (plain, recomputed):
+                each.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        unused = [v for v in recomputed.trainable_variables if "unused" in v.name]
+        assert [float(v.numpy()) for v in unused] == [1.0]
+        _assert_same_state(plain, recomputed, rtol=1e-5, atol=1e-6)
+
     def test_gradients_equal_the_unwrapped_block(self):
         keras.utils.set_random_seed(0)
         block = keras.Sequential(

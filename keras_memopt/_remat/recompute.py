@@ -163,19 +163,22 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
 
 
 def _gradients(tape, outputs, upstream, inputs, sources, variables):
-    """What a custom gradient returns: the gradients of `inputs` (and `variables`)."""
+    """What a custom gradient returns: the gradients of `inputs` (and `variables`).
+
+    A variable the outputs do not depend on gets None, as from a tape over the
+    layer: the optimizer then leaves it alone (a zero would move it with weight
+    decay, and overwrite a float8 scale read in inference mode with zero).
+    """
     targets, target_gradients = [], []
     for output, grad in zip(outputs, upstream, strict=True):
         if grad is not None and _differentiable(output):
             targets.append(output)
             target_gradients.append(grad)
-    gradients = tape.gradient(
-        targets,
-        sources + variables,
-        output_gradients=target_gradients,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    gradients = tape.gradient(targets, sources + variables, output_gradients=target_gradients)
+    source_gradients = iter(
+        tf.zeros_like(source) if gradient is None else gradient
+        for source, gradient in zip(sources, gradients[: len(sources)], strict=True)
     )
-    source_gradients = iter(gradients[: len(sources)])
     input_gradients = [next(source_gradients) if _differentiable(t) else None for t in inputs]
     if variables:
         return input_gradients, gradients[len(sources) :]
