@@ -130,10 +130,11 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
     classes = ignore_classes(model, y)
     form = LossForm((), classes, summed=summed_outputs(model, y))
     try:
-        once = _probe(model, pair, form, None if whole_batch_loss else split)
-        again, doubled = _probe(model, pair, form, None), _probe(model, twice, form, None)
-        told = once if whole_batch_loss else _loss_probe(model, (x, y), form, split, once)
-        probes = _term_probes(model, (x, y), form, (once, again, doubled))
+        probe = _prober(model)
+        once = probe(pair, form, None if whole_batch_loss else split)
+        again, doubled = probe(pair, form, None), probe(twice, form, None)
+        told = once if whole_batch_loss else _loss_probe(probe, (x, y), form, split, once)
+        probes = _term_probes(probe, (x, y), form, (once, again, doubled))
         alone = [sample(pair[0], i) for i in range(int(_loop.batch_size_of(pair[0])))]
         metrics = _layer_metrics.classify(model, pair[0], twice[0], alone)
         coupled = [] if whole_batch_loss or y is None else _metric_check.coupled(model, *twice)
@@ -202,7 +203,7 @@ def _terms(values):
 PAIRS = 8
 
 
-def _term_probes(model, data, form, values) -> list:
+def _term_probes(probe, data, form, values) -> list:
     """Per term of `model.losses`, its `(value, gradient norm)` on two samples, again
     on them, and on them repeated (`values`: the probes of the first two samples).
 
@@ -220,13 +221,13 @@ def _term_probes(model, data, form, values) -> list:
             break
         pair = _loop.micro_slice(x, start, 2), _loop.micro_slice(y, start, 2)
         twice = repeat(pair[0]), repeat(pair[1])
-        found = [_terms(_probe(model, p, form, None)) for p in (pair, pair, twice)]
+        found = [_terms(probe(p, form, None)) for p in (pair, pair, twice)]
         for index in silent:
             probes[index] = tuple(terms[index] for terms in found)
     return probes
 
 
-def _loss_probe(model, data, form, split, once) -> list:
+def _loss_probe(probe, data, form, split, once) -> list:
     """The probe of the compiled loss on the first of the batch's pairs of samples
     where it tells something (`once`: the probe of the first two samples).
 
@@ -241,7 +242,7 @@ def _loss_probe(model, data, form, split, once) -> list:
         if max(abs(once[0]), abs(once[1])) >= NEGLIGIBLE or np.isnan(once[0]):
             break
         pair = _loop.micro_slice(x, start, 2), _loop.micro_slice(y, start, 2)
-        once = _probe(model, pair, form, split)
+        once = probe(pair, form, split)
     return once
 
 
@@ -265,25 +266,31 @@ def _term_kind(once, again, doubled):
     return kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
 
 
-def _probe(model, data, form, split):
-    """`_evaluate(model, *data, ...)` in a replica's context (where Keras updates its
-    loss trackers), as a list; Keras's warnings come from the step, once.
+def _prober(model):
+    """`probe(data, form, split)`: `_evaluate(model, *data, form, split)` in a replica's
+    context (where Keras updates its loss trackers), as a list; Keras's warnings come
+    from the step, once.
 
-    Eager, but in a `tf.function` for a model with float8 layers: Keras 3's
-    float8 `Dense` takes gradients only in a graph (an eager `tape.gradient`
-    through it raises, in plain Keras with `run_eagerly=True` too).
+    Eager, but one `tf.function` for a model with float8 layers: Keras 3's float8
+    `Dense` takes gradients only in a graph (an eager `tape.gradient` through it
+    raises, in plain Keras with `run_eagerly=True` too). One, with shapes relaxed:
+    a function per probe drew TensorFlow's warning about retracing.
     """
     strategy = model.distribute_strategy
 
-    def run(x, y):
+    def run(x, y, form, split):
         return strategy.run(_evaluate, args=(model, x, y, form, split))
 
     if any(_loop.overwritten(v) for v in model.trainable_variables):
-        run = _autograph.function(run)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        values = run(*data)
-    return strategy.experimental_local_results(values)[0].numpy().tolist()
+        run = _autograph.function(run, reduce_retracing=True)
+
+    def probe(data, form, split):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            values = run(*data, form, split)
+        return strategy.experimental_local_results(values)[0].numpy().tolist()
+
+    return probe
 
 
 def _evaluate(model, x, y, form, split):
