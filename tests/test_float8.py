@@ -42,7 +42,11 @@ def _model(cls, activity_regularizer=None, fault=None, **kwargs):
     hidden = layers.Dense(16, activation="relu", activity_regularizer=activity_regularizer)(inputs)
     if fault is not None:
         hidden = fault(hidden)
-    model = cls(inputs, layers.Dense(4)(hidden), **kwargs)
+    return _float8_compiled(cls(inputs, layers.Dense(4)(hidden), **kwargs))
+
+
+def _float8_compiled(model):
+    """`model` (built) quantized to float8 and compiled, as every test here trains it."""
     model.quantize("float8")
     model.compile(
         keras.optimizers.Adam(0.01),
@@ -179,13 +183,7 @@ def test_float8_training_in_remat_matches_plain_keras(passes_training):
         keras.utils.set_random_seed(0)
         built = Subclassed(**kwargs)
         built(_data()[0][:2])
-        built.quantize("float8")
-        built.compile(
-            keras.optimizers.Adam(0.01),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-        return built
+        return _float8_compiled(built)
 
     plain, recomputed = model(keras.Model, False), model(AccumulatingModel, True,
                                                          micro_batch_size=6)
