@@ -188,3 +188,28 @@ def test_float8_training_in_remat_matches_plain_keras(passes_training):
     plain, recomputed = model(keras.Model, False), model(AccumulatingModel, True,
                                                          micro_batch_size=6)
     _assert_same(_fit(plain), _fit(recomputed))
+
+
+class _SumPenalty(layers.Layer):
+    """An `add_loss` term that sums over the samples."""
+
+    def call(self, inputs):
+        self.add_loss(1e-3 * keras.ops.sum(inputs))
+        return inputs
+
+
+def test_float8_training_with_a_summed_term_zero_at_the_start_matches_plain_keras():
+    """A term that sums a LayerNormalization's outputs is zero while its offset is:
+    the first step's check tells a mean from a sum by the term's gradient norm, which
+    doubles on the samples repeated. The float8 scales' "gradients" are new values,
+    which stay: counted in, they kept the norm from doubling. Here the term was refused
+    (its norm x1.33); in the fuzzer's case it was taken for a mean and trained 0.08
+    from plain Keras."""
+
+    def model(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,))
+        hidden = layers.LayerNormalization()(layers.Dense(16, activation="relu")(inputs))
+        return _float8_compiled(cls(inputs, layers.Dense(4)(_SumPenalty()(hidden)), **kwargs))
+
+    _assert_same(_fit(model(keras.Model)), _fit(model(AccumulatingModel, micro_batch_size=6)))

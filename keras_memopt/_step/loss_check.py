@@ -302,7 +302,9 @@ def _evaluate(model, x, y, form, split):
     On the repeated samples the losses that sum over the batch (`form.summed`)
     are weighted by one half: a loss that splits then keeps its value.
     """
-    variables = model.trainable_variables
+    # Not the variables the optimizer overwrites with their "gradient" (float8's
+    # scales): theirs is a new value, which stays when the samples are repeated.
+    variables = [v for v in model.trainable_variables if not _loop.overwritten(v)]
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
         terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in model.losses]
