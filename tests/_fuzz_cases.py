@@ -483,12 +483,17 @@ def draw(seed: int) -> Spec:
     # Not where plain Keras 3 itself raises in float8: on sparse inputs, with an
     # optimizer's EMA or its own gradient accumulation (seeds 132023, 132039, 132182),
     # and running eagerly (an eager gradient through a float8 Dense; seed 134011).
+    # Nor with XLA: 9e-4 and 2e-3 from plain Keras in float64 (seeds 135269, 135002),
+    # 3e-16 without it. Not analysed further; presumably XLA's fusions round
+    # differently at another micro-batch's shape, which the float8 round trip of the
+    # gradients (2 mantissa bits) turns into a step, as float32 does (test_float8.py).
     # Nor with a Dense called twice: plain Keras assigns the sum of the two calls'
     # new scales and histories (its tape adds them), which no fold of micro-batches
     # reproduces (seeds 132051, 132082, 132113; docs/accumulation.md).
     options = dict(spec.optimizer_options)
     float8able = not (LEGACY or spec.family == "sparse" or spec.shared or spec.run_eagerly
-                      or options.get("use_ema") or options.get("gradient_accumulation_steps"))
+                      or spec.jit_compile or options.get("use_ema")
+                      or options.get("gradient_accumulation_steps"))
     if float8able and r.random() < 0.15:
         spec = dataclasses.replace(spec, float8=True)
     return spec
