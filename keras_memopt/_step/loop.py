@@ -263,7 +263,8 @@ def every_replica(tensors) -> list:
     `tensors` (a nest): an all-reduce of one number that waits for them; none with
     one replica.
 
-    An update waits for its gradients through it: Keras's optimizer assigns a
+    The update of a model with such variables waits for its gradients through it
+    (`UpdateGuard.begin`): Keras's optimizer assigns a
     variable it overwrites with its "gradient" (Keras 3's float8 scales and amax
     histories) in each replica's context, before the all-reduce of the other
     gradients. Without it a replica assigned them while another replica's loop

@@ -200,7 +200,8 @@ class MicroBatchSteps:
         _keras_losses.track_loss(self, loss, batch_size)
         variables = self.trainable_variables
         if variables:
-            began = self._run.guard.begin(gradients)
+            overwrites = any(_loop.overwritten(v) for v in variables)
+            began = self._run.guard.begin(gradients, overwrites)
             with tf.control_dependencies([began]):
                 _keras.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()

@@ -134,16 +134,18 @@ class UpdateGuard:
 
     # -- in the traced step ------------------------------------------------------------
 
-    def begin(self, gradients) -> tf.Operation:
-        """The op the update's ops wait for: every gradient summed on every
-        replica, the update marked as begun, and its memory checked, reserved
-        or measured."""
+    def begin(self, gradients, overwrites=False) -> tf.Operation:
+        """The op the update's ops wait for: every gradient summed (on every
+        replica, where the optimizer `overwrites` a variable with its "gradient",
+        which Keras assigns in each replica's context: `_loop.every_replica`), the
+        update marked as begun, and its memory checked, reserved or measured."""
         summed = [
             t for t in tf.nest.flatten(gradients, expand_composites=True) if t is not None
         ]
         context = tf.distribute.get_replica_context()
         replica = 0 if context is None else context.replica_id_in_sync_group
-        with tf.control_dependencies(summed + _loop.every_replica(summed)):
+        waits = _loop.every_replica(summed) if overwrites else []
+        with tf.control_dependencies(summed + waits):
             marked = self._began.assign(1, read_value=False)
             shape = tf.stack([self._reserve_kib.read_value(), _KIB])
             block = tf.raw_ops.Empty(shape=shape, dtype=tf.uint8, name=UPDATE_RESERVATION_OP)
