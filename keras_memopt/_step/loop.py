@@ -263,12 +263,12 @@ def every_replica(tensors) -> list:
     `tensors` (a nest): an all-reduce of one number that waits for them; none with
     one replica.
 
-    The update of a model with such variables waits for its gradients through it
-    (`UpdateGuard.begin`): Keras's optimizer assigns a
-    variable it overwrites with its "gradient" (Keras 3's float8 scales and amax
-    histories) in each replica's context, before the all-reduce of the other
-    gradients. Without it a replica assigned them while another replica's loop
-    still ran, and an out-of-memory error there left them assigned for the retry.
+    Keras's optimizer assigns a variable it overwrites with its "gradient" (Keras
+    3's float8 scales and amax histories) in each replica's context, before the
+    all-reduce of the other gradients. The update of a model with such variables
+    waits for its gradients through this (`UpdateGuard.begin`): without it a
+    replica assigned them while another replica's loop still ran, and an
+    out-of-memory error there left them assigned for the retry.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
