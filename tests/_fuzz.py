@@ -77,17 +77,9 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _fuzz_cases import (  # noqa: E402
-    Spec,
-    arm_fault,
-    build_model,
-    compile_kwargs,
-    custom_objects,
-    draw,
-    fit_callbacks,
-    make_data,
-    make_optimizer,
-)
+from _fuzz_cases import Spec, draw  # noqa: E402
+from _fuzz_models import arm_fault, build_model, fit_callbacks  # noqa: E402
+from _fuzz_training import compile_kwargs, custom_objects, make_data, make_optimizer  # noqa: E402
 from _oracles import build_first, dense_gradients  # noqa: E402
 
 from keras_memopt._keras import LEGACY, keras  # noqa: E402

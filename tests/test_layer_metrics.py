@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
-from _fuzz_cases import Monitored
+from _fuzz_models import Monitored
 from _oracles import dense_gradients
 from conftest import LEGACY
 

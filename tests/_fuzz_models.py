@@ -1,0 +1,406 @@
+"""The fuzzer's models: the layers and model a `Spec` says, made.
+
+`build_model` makes the model of a case drawn by `_fuzz_cases.draw` (its data,
+losses and optimizer: `_fuzz_training`); `arm_fault` and `fit_callbacks` add
+what its run needs. `_fuzz` trains and compares it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from _faults import OutOfMemoryOnce
+from _fuzz_cases import CLASSES, LENGTH, VOCAB, WORDS
+
+from keras_memopt import AccumulatingModel, Remat
+from keras_memopt._keras import keras
+
+layers = keras.layers
+
+
+class MeanPenalty(layers.Layer):
+    """An `add_loss` term that averages over the samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+class Monitored(layers.Layer):
+    """Passes its inputs on and updates three metrics of its own with them: their
+    mean (one value per call), their sum over the samples (one value) and every
+    element (a tensor)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.mean = keras.metrics.Mean(name="activation_mean")
+        self.sum = keras.metrics.Mean(name="activation_sum")
+        self.elements = keras.metrics.Mean(name="activation_elements")
+
+    def call(self, inputs):
+        self.mean.update_state(tf.reduce_mean(inputs))
+        self.sum.update_state(tf.reduce_sum(inputs))
+        self.elements.update_state(inputs)
+        return inputs
+
+
+class RaggedMean(layers.Layer):
+    """The mean embedding of a ragged row of ids (a user's variable-length history)."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(name="table", shape=(VOCAB, 6))
+
+    def call(self, ids):
+        return tf.reduce_mean(tf.ragged.map_flat_values(tf.gather, self.table, ids), axis=1)
+
+
+class SumPenalty(layers.Layer):
+    """An `add_loss` term that sums over the samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        self.add_loss(1e-3 * tf.reduce_sum(inputs))
+        return inputs
+
+
+def _recurrent(spec, units, sequences):
+    if spec.recurrent == "BidirectionalGRU":
+        return layers.Bidirectional(layers.GRU(units, return_sequences=sequences))
+    return getattr(layers, spec.recurrent)(units, return_sequences=sequences)
+
+
+def _trunk(spec):
+    """The trunk's layers, applied one after another (two-input and attention trunks
+    are applied by `_apply`)."""
+    regularizers = {}
+    if spec.regularize:
+        regularizers = dict(
+            kernel_regularizer=keras.regularizers.L2(1e-2),
+            activity_regularizer=keras.regularizers.L1(1e-3),
+        )
+    family = spec.family
+    penalty = keras.regularizers.L2(1e-2) if spec.embedding_penalty else None
+    embedding = layers.Embedding(VOCAB, 6, mask_zero=spec.mask_zero,
+                                 embeddings_regularizer=penalty)
+    if spec.masking:
+        embedding = layers.Masking(0.0)
+    if family == "dense":
+        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.LayerNormalization(),
+                 layers.Dense(8, activation="relu")]
+    elif family == "conv1d":
+        parts = [layers.Conv1D(4, 3, activation="relu", **regularizers), layers.MaxPooling1D(2),
+                 layers.Conv1D(6, 2, activation="tanh"), layers.GlobalAveragePooling1D()]
+    elif family == "conv2d":
+        parts = [layers.Conv2D(4, 3, activation="relu", **regularizers),
+                 layers.BatchNormalization(trainable=False), layers.MaxPooling2D(),
+                 layers.Flatten()]
+    elif family == "pooled":
+        parts = [embedding, layers.GlobalAveragePooling1D(), layers.Dense(8, **regularizers)]
+    elif family == "recurrent":
+        parts = [embedding, _recurrent(spec, 6, sequences=False)]
+    elif family == "tagger":
+        parts = [embedding, _recurrent(spec, 6, sequences=True),
+                 layers.Dense(8, activation="tanh", **regularizers)]
+    elif family == "attention":
+        parts = [embedding, layers.MultiHeadAttention(num_heads=2, key_dim=4),
+                 layers.LayerNormalization(), layers.GlobalAveragePooling1D()]
+    elif family == "sparse":
+        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.Dense(8)]
+    elif family == "ragged":
+        parts = [RaggedMean(), layers.Concatenate(), layers.Dense(8, activation="tanh",
+                                                                  **regularizers)]
+    else:  # two_inputs
+        parts = [embedding, layers.GlobalAveragePooling1D(), layers.Dense(6, **regularizers),
+                 layers.Concatenate(), layers.Dense(8, activation="tanh")]
+    if spec.add_loss:
+        parts.append(MeanPenalty() if spec.add_loss == "mean" else SumPenalty())
+    return parts
+
+
+def _head_layer(spec, head, index):
+    units = {"sparse": CLASSES, "categorical": CLASSES}.get(head.kind, 1)
+    initializer = keras.initializers.RandomNormal(stddev=4.0 if head.confident else 0.3)
+    constraint = {"max_norm": keras.constraints.MaxNorm(1.0),
+                  "non_neg": keras.constraints.NonNeg()}.get(spec.constraint)
+    return layers.Dense(
+        units, activation=head.activation, kernel_initializer=initializer,
+        kernel_constraint=constraint, name=output_names(spec)[index],
+    )
+
+
+def _pruned(layer):
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    schedule = sparsity.PolynomialDecay(0.0, 0.5, begin_step=0, end_step=3, frequency=1)
+    return sparsity.prune_low_magnitude(layer, pruning_schedule=schedule)
+
+
+def _quantized(layer):
+    from tensorflow_model_optimization.quantization.keras import QuantizeWrapperV2
+
+    return QuantizeWrapperV2(layer, _kernel_quantize_config()())
+
+
+@functools.cache
+def _kernel_quantize_config():
+    """The fuzzer's `QuantizeConfig` class, made on first use (tfmot imports on tf_keras only)."""
+    from tensorflow_model_optimization.quantization.keras import QuantizeConfig, quantizers
+
+    class KernelQuantizer(quantizers.Quantizer):
+        """tfmot's `LastValueQuantizer` (symmetric, 8 bits, narrow range) in the
+        layer's own dtype: tfmot's fake-quantization ops take float32 only, and
+        the fuzzer trains in float64. Training, it sets its `kernel_min` and
+        `kernel_max` ranges to the kernel's extremes and rounds to 255 levels
+        between them; the gradient passes straight through."""
+
+        def build(self, tensor_shape, name, layer):
+            def weight(suffix, value):
+                return layer.add_weight(
+                    f"{name}_{suffix}", initializer=keras.initializers.Constant(value),
+                    trainable=False)
+
+            return {"min_var": weight("min", -6.0), "max_var": weight("max", 6.0)}
+
+        def __call__(self, inputs, training, weights, **kwargs):
+            if training:
+                bound = tf.maximum(tf.abs(tf.reduce_min(inputs)), tf.abs(tf.reduce_max(inputs)))
+                with tf.control_dependencies([weights["min_var"].assign(-bound),
+                                              weights["max_var"].assign(bound)]):
+                    bound = tf.identity(bound)
+            else:
+                bound = weights["max_var"]
+            scale = tf.maximum(bound, 1e-12) / 127.0
+            rounded = tf.clip_by_value(tf.round(inputs / scale), -127.0, 127.0) * scale
+            return inputs + tf.stop_gradient(rounded - inputs)
+
+        def get_config(self):
+            return {}
+
+    class KernelQuantizeConfig(QuantizeConfig):
+        """Quantizes a Dense layer's kernel only: no activation ranges, so a
+        micro-batch's forward pass is the whole batch's."""
+
+        def get_weights_and_quantizers(self, layer):
+            return [(layer.kernel, KernelQuantizer())]
+
+        def get_activations_and_quantizers(self, layer):
+            return []
+
+        def set_quantize_weights(self, layer, quantize_weights):
+            layer.kernel = quantize_weights[0]
+
+        def set_quantize_activations(self, layer, quantize_activations):
+            pass
+
+        def get_output_quantizers(self, layer):
+            return []
+
+        def get_config(self):
+            return {}
+
+    return KernelQuantizeConfig
+
+
+def fit_callbacks(spec) -> list:
+    """The callbacks both runs train with (`UpdatePruningStep` for a pruned case)."""
+    if not spec.pruned:
+        return []
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    return [sparsity.UpdatePruningStep()]
+
+
+def output_names(spec):
+    return ["first", "second"][: len(spec.heads)]
+
+
+def make_layers(spec):
+    heads = [_head_layer(spec, head, index) for index, head in enumerate(spec.heads)]
+    if spec.pruned:
+        heads = [_pruned(head) for head in heads]
+    if spec.quantized:
+        heads = [_quantized(head) for head in heads]
+    if spec.spectral:
+        # Named after the head: a list's logged figures carry the output layer's name.
+        heads = [layers.SpectralNormalization(head, name=f"normalized_{head.name}")
+                 for head in heads]
+    trunk = _trunk(spec)
+    if spec.frozen is not None:
+        trunk[min(spec.frozen, len(trunk) - 1)].trainable = False
+    if spec.nested:
+        # A layer that adds a loss stays outside, after it (a recomputed segment
+        # refuses one: its own tests).
+        penalties = [layer for layer in trunk if isinstance(layer, (MeanPenalty, SumPenalty))]
+        inner = [layer for layer in trunk if layer not in penalties]
+        trunk = [keras.Sequential(inner, name="backbone"), *penalties]
+    parts = {"trunk": trunk, "heads": heads}
+    if spec.shared:
+        parts["shared"] = [layers.Dense(8, activation="tanh"), layers.Dense(8, activation="tanh")]
+    if spec.monitored:
+        parts["monitored"] = Monitored(name="monitored")
+    if spec.strings:
+        parts["lookup"] = layers.StringLookup(vocabulary=WORDS, mask_token="", num_oov_indices=0)
+    if spec.oom_at:
+        parts["fault"] = OutOfMemoryOnce(name="fault")  # armed by `arm_fault`
+    return parts
+
+
+def arm_fault(model, spec):
+    """Sets the model's fault layer to fail at its `spec.oom_at`-th run from now (in
+    training only, for float8 layers: the first step's probes run in a graph there)."""
+    for layer in model._flatten_layers():
+        if isinstance(layer, OutOfMemoryOnce):
+            layer.at, layer.runs, layer.training_only = spec.oom_at, 0, spec.float8
+            return layer
+    raise ValueError(f"no fault layer in {model.name}")
+
+
+def _apply(spec, parts, inputs):
+    """The model's graph on `inputs` (symbolic or not), with `make_layers`'s layers."""
+    trunk = parts["trunk"]
+    if spec.listed:
+        inputs = dict(zip(("features", "tokens"), inputs, strict=True))
+    if "lookup" in parts and spec.family == "two_inputs":
+        inputs = dict(inputs, tokens=parts["lookup"](inputs["tokens"]))
+    elif "lookup" in parts:
+        inputs = parts["lookup"](inputs)
+    if spec.family == "attention":
+        x = trunk[0](inputs)
+        x = trunk[1](x, x)
+        rest = trunk[2:]
+    elif spec.family == "two_inputs":
+        tokens = trunk[2](trunk[1](trunk[0](inputs["tokens"])))
+        x = trunk[4](trunk[3]([tokens, inputs["features"]]))
+        rest = trunk[5:]
+    elif spec.family == "ragged":
+        x = trunk[1]([trunk[0](inputs["history"]), inputs["features"]])
+        rest = trunk[2:]
+    else:
+        x, rest = inputs, trunk
+    for layer in rest:
+        x = layer(x)
+    if "shared" in parts:
+        project, shared = parts["shared"]
+        x = shared(shared(project(x)))
+    if "monitored" in parts:
+        x = parts["monitored"](x)
+    if "fault" in parts:
+        x = parts["fault"](x)
+    results = [head(x) for head in parts["heads"]]
+    if spec.outputs == "one":
+        return results[0]
+    if spec.outputs == "dict":
+        return dict(zip(output_names(spec), results, strict=True))
+    return results
+
+
+def _inputs(spec):
+    tokens = dict(shape=(LENGTH,), dtype="string" if spec.strings else "int32")
+    if spec.family == "dense":
+        return keras.Input((6,))
+    if spec.family == "conv1d":
+        return keras.Input((10, 3))
+    if spec.family == "conv2d":
+        return keras.Input((6, 6, 2))
+    if spec.family == "two_inputs":
+        inputs = {"features": keras.Input((5,), name="features"),
+                  "tokens": keras.Input(name="tokens", **tokens)}
+        return [inputs["features"], inputs["tokens"]] if spec.listed else inputs
+    if spec.family == "ragged":
+        return {"features": keras.Input((5,), name="features"),
+                "history": keras.Input((None,), dtype="int32", ragged=True, name="history")}
+    if spec.family == "sparse":
+        return keras.Input((10,), sparse=True)
+    if spec.masking:
+        return keras.Input((LENGTH, VOCAB - 1))
+    return keras.Input(**tokens)
+
+
+def _subclass(base, spec):
+    """A fresh subclass of `base` per model: Keras rewrites the bases of a class
+    used functionally, so no class serves twice."""
+
+    def __init__(self, **kwargs):
+        base.__init__(self, **kwargs)
+        parts = make_layers(spec)
+        if spec.remat and base is AccumulatingModel:
+            for key in {"trunk", "shared"} & parts.keys():
+                parts[key] = [_wrapped(layer) for layer in parts[key]]
+        self.parts = parts
+
+    def call(self, inputs):
+        return _apply(spec, self.parts, inputs)
+
+    return type(f"Fuzzed{spec.seed}", (base,), {"__init__": __init__, "call": call})
+
+
+def build_model(spec, accumulating: bool, sample_x):
+    """The case's model: an `AccumulatingModel`, or plain Keras (`accumulating=False`)."""
+    split = {}
+    if accumulating:
+        split = dict(spec.split, whole_batch_loss=spec.whole_batch_loss)
+    keras.utils.set_random_seed(spec.seed)
+    if spec.build == "subclassed":
+        model = _subclass(AccumulatingModel if accumulating else keras.Model, spec)(**split)
+        model(sample_x)  # built, so that its weights can be set
+        return model
+    parts = make_layers(spec)
+    if spec.build == "sequential":
+        before_heads = [parts[key] for key in ("monitored", "fault") if key in parts]
+        lookup = [parts["lookup"]] if "lookup" in parts else []
+        plain = keras.Sequential(
+            [_inputs(spec), *lookup, *parts["trunk"], *before_heads, *parts["heads"]]
+        )
+    else:
+        inputs = _inputs(spec)
+        cls = AccumulatingModel if accumulating and spec.build == "functional" else keras.Model
+        kwargs = split if cls is AccumulatingModel else {}
+        plain = cls(inputs, _apply(spec, parts, inputs), **kwargs)
+        if cls is AccumulatingModel:
+            return _recomputing(plain, spec)
+    if not accumulating:
+        return plain
+    return _recomputing(AccumulatingModel.from_model(plain, **split), spec)
+
+
+def _wrapped(layer):
+    """`layer` recomputed in the backward pass (`Remat`), but for a layer that adds a
+    loss in `call`, which `Remat` refuses (its own tests)."""
+    return layer if isinstance(layer, (MeanPenalty, SumPenalty)) else Remat(layer)
+
+
+def _recomputing(model, spec):
+    """`model` with a recomputed segment after every layer that separates its graph
+    (the package's own reading of the graph: which cuts exist is not the oracle's
+    business, what training with them computes is), or with `remat="auto"`'s."""
+    if spec.remat == "auto":
+        model.remat = "auto"
+    elif spec.remat == "auto4096":
+        # Planned at that size (set before `remat`); the case's split set back after.
+        model.accumulation_steps, model.micro_batch_size = None, 4096
+        model.remat = "auto"
+        model.micro_batch_size = None
+        for setting, value in spec.split:
+            setattr(model, setting, value)
+    elif spec.remat:
+        from keras_memopt._remat.graph import Graph
+
+        graph = Graph(model)
+        layers_in_order = [node[0] for node in graph.nodes]
+        # A layer that adds a loss in `call` is refused in a recomputed
+        # segment (its own tests): every segment ends before it.
+        penalty = next((i for i, layer in enumerate(layers_in_order)
+                        if isinstance(layer, (MeanPenalty, SumPenalty))), len(graph.nodes))
+        cuts = [layers_in_order[i].name for i in graph.separators() if i < penalty]
+        if cuts:
+            model.remat = cuts
+    return model
