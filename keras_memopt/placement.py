@@ -271,17 +271,20 @@ def build_plan(model, remat, placement):
     if placement is None:
         return _segments.build_plan(model, remat)
     if remat is None:
-        remat_cuts, graph, note = [], _graph.Graph(model), ""
+        planned = _segments.Cuts([], _graph.Graph(model))
     else:
-        remat_cuts, graph, note = _segments.plan_segments(model, remat)
+        planned = _segments.plan_segments(model, remat)
+    remat_cuts, graph = planned.indices, planned.graph
     cuts = sorted({*remat_cuts, *placement.cuts})
     ends = [*cuts, len(graph.nodes) - 1]
     last_recomputed = remat_cuts[-1] if remat_cuts else -1
+    # A leading Embedding lookup that remat="auto" keeps ends at its first cut.
+    first_recomputed = remat_cuts[0] if planned.lookup_kept else -1
     plan = _segments.SegmentPlan(
         model,
         cuts,
         graph,
-        recomputed=[end <= last_recomputed for end in ends],
+        recomputed=[first_recomputed < end <= last_recomputed for end in ends],
         devices=[placement.device_of(end) for end in ends],
     )
-    return plan, note
+    return plan, planned.note

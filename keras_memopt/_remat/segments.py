@@ -33,6 +33,7 @@ class Cuts(NamedTuple):
     indices: list  # node indices after which segments end, in graph order
     graph: _graph.Graph
     note: str = ""  # what `remat="auto"` chose and why
+    lookup_kept: bool = False  # the first segment, a leading `Embedding`, is not recomputed
 
 
 def plan_segments(model, remat, batch=None) -> Cuts:
@@ -74,7 +75,30 @@ def plan_segments(model, remat, batch=None) -> Cuts:
             stacklevel=3,
         )
         return Cuts([], graph, note)
-    return Cuts([separators[i] for i in chosen], graph, note)
+    return _keep_lookup(graph, separators, [separators[i] for i in chosen], note)
+
+
+def _keep_lookup(graph, separators, cuts, note) -> Cuts:
+    """`cuts`, with a leading `Embedding` lookup made a segment of its own that is
+    not recomputed, where the first segment would hold it.
+
+    Recomputing the lookup saves only its output, one micro-batch's embedded
+    tokens, and costs more than that: tf_keras's `transformer_layer` of
+    docs/benchmarks.md (two block layers at micro-batch 32, one inter-op
+    thread) peaked at 39.1 to 42.5 MiB with the lookup in the first recomputed
+    segment, 36.1 to 37.5 with it kept, as with a `Remat` around each block.
+    """
+    first = separators[0]
+    layer = graph.nodes[first][0]
+    leading = isinstance(layer, _keras.keras.layers.Embedding) and all(
+        graph.is_input(i) for i in range(len(graph.nodes)) if graph.ancestors[first] >> i & 1
+    )
+    if not leading or cuts == [first]:
+        return Cuts(cuts, graph, note)
+    note = (f"{note}; " if note else "") + (
+        f"the lookup of layer {layer.name!r} kept, not recomputed"
+    )
+    return Cuts(sorted({first, *cuts}), graph, note, lookup_kept=True)
 
 
 def _candidate_separators(graph):
@@ -207,7 +231,9 @@ def build_plan(model, remat):
     cuts = plan_segments(model, remat)
     if not cuts.indices:
         return None, cuts.note
-    return SegmentPlan(model, cuts.indices, cuts.graph), cuts.note
+    recomputed = [True] * len(cuts.indices) + [False]
+    recomputed[0] = not cuts.lookup_kept
+    return SegmentPlan(model, cuts.indices, cuts.graph, recomputed), cuts.note
 
 
 def recomputed_layer_names(plan) -> list[list[str]]:
