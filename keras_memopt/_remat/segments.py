@@ -96,7 +96,7 @@ def _keep_lookup(graph, separators, cuts, note) -> Cuts:
     if not leading or cuts == [first]:
         return Cuts(cuts, graph, note)
     note = (f"{note}; " if note else "") + (
-        f"the lookup of layer {layer.name!r} kept, not recomputed"
+        f"and before them the lookup of layer {layer.name!r}, a segment of its own, kept"
     )
     return Cuts(sorted({first, *cuts}), graph, note, lookup_kept=True)
 
