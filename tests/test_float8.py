@@ -213,3 +213,31 @@ def test_float8_training_with_a_summed_term_zero_at_the_start_matches_plain_kera
         return _float8_compiled(cls(inputs, layers.Dense(4)(_SumPenalty()(hidden)), **kwargs))
 
     _assert_same(_fit(model(keras.Model)), _fit(model(AccumulatingModel, micro_batch_size=6)))
+
+
+class _SmallMeanPenalty(layers.Layer):
+    """An `add_loss` term that averages over the samples, below 1e-6 at the start."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def test_float8_training_with_a_small_mean_term_matches_plain_keras():
+    """A term below 1e-6 tells the first step's check nothing by its value, it
+    was thought, so the check decided between mean and sum by the term's gradient
+    norm. Through a float8 `Dense` that gradient is quantized, its smallest
+    elements to float8's subnormals, and on the samples repeated its norm moved
+    by 5%: the term was refused ("neither the same nor twice as large"), though
+    its value was the same to the last bit. Where the gradient cannot tell, the
+    value, small but not zero, decides."""
+
+    def model(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,))
+        small = keras.initializers.RandomNormal(stddev=1e-3)
+        hidden = layers.Dense(16, activation="relu", kernel_initializer=small)(inputs)
+        hidden = _SmallMeanPenalty()(hidden)
+        return _float8_compiled(cls(inputs, layers.Dense(4)(hidden), **kwargs))
+
+    _assert_same(_fit(model(keras.Model)), _fit(model(AccumulatingModel, micro_batch_size=6)))
