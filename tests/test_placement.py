@@ -252,6 +252,38 @@ class TestTraining:
         loss = model.evaluate(x, y, batch_size=23, verbose=0)
         np.testing.assert_allclose(loss, float(expected), rtol=1e-6)
 
+    def test_auto_remat_keeps_a_leading_lookup_beside_placement(self):
+        def model(cls, **kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((8,), dtype="int32")
+            x = layers.Embedding(50, 16, name="embed")(inputs)
+            for i in range(2):
+                x = layers.Dense(256, activation="relu", name=f"block{i}")(x)
+            with tf.device(DEVICES[1]):  # tf_keras places variables where they are made
+                for i in range(2, 4):
+                    x = layers.Dense(256, activation="relu", name=f"block{i}")(x)
+                pooled = layers.GlobalAveragePooling1D(name="pool")(x)
+                outputs = layers.Dense(3, name="head")(pooled)
+            model = cls(inputs, outputs, **kwargs)
+            model.compile(keras.optimizers.SGD(0.1),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
+
+        placed = model(AccumulatingModel, remat="auto", devices=DEVICES, device_cuts=["block1"],
+                       micro_batch_size=8)
+        # The lookup is a segment of its own, kept; each block is recomputed.
+        assert placed.recomputed_segments == [[f"block{i}"] for i in range(4)]
+        assert _layer_devices(placed) == {
+            "embed": DEVICES[0], "block0": DEVICES[0], "block1": DEVICES[0],
+            "block2": DEVICES[1], "block3": DEVICES[1], "head": DEVICES[1],
+        }
+        plain = model(keras.Model)
+        rng = np.random.RandomState(0)
+        x, y = rng.randint(0, 50, (46, 8)), rng.randint(0, 3, 46)
+        for trained in (plain, placed):
+            trained.fit(x, y, batch_size=23, epochs=2, shuffle=False, verbose=0)
+        _assert_same_weights(plain.get_weights(), placed.get_weights())
+
     def test_a_cut_shared_with_remat_is_one_segment_end(self):
         model = _placed(remat=["norm0", "dense1", "norm2"])
         # Up to norm0, dense1 (also the device cut), norm2, and the head.
