@@ -756,14 +756,15 @@ def _family(name, form, micro_batch_size=64):
 
 class TestAutoAgainstTheObviousChoices:
     @pytest.mark.slow
-    def test_auto_is_no_worse_than_none_or_a_remat_per_block(self):
+    @pytest.mark.parametrize("family", ["cnn", "transformer"])
+    def test_auto_is_no_worse_than_none_or_a_remat_per_block(self, family):
         # One op at a time, the order the estimate plays, in a fresh process:
         # with TensorFlow's default threading, filter gradients run beside
         # the next layer's gradients as they come, and in one CI run auto
         # (its cuts inside blocks) peaked at 1.28 of per block in the tests'
         # shared process (benchmarks: 1.12 on a larger CNN; issue 33).
         output = run_python(
-            """
+            f"""
             import json, sys
             sys.path.insert(0, "tests")
             import numpy as np
@@ -773,9 +774,13 @@ class TestAutoAgainstTheObviousChoices:
             from test_remat import _family
 
             rng = np.random.RandomState(0)
-            x, y = rng.rand(64, 16, 16, 3).astype("float32"), rng.randint(0, 3, 64)
-            print(json.dumps({form: peak_bytes_of_fit(_family("cnn", form), x, y, 64)
-                              for form in ("none", "per block", "auto")}))
+            if {family!r} == "cnn":
+                x = rng.rand(64, 16, 16, 3).astype("float32")
+            else:
+                x = rng.randint(0, 100, (64, 32))
+            y = rng.randint(0, 3, 64)
+            print(json.dumps({{form: peak_bytes_of_fit(_family({family!r}, form), x, y, 64)
+                               for form in ("none", "per block", "auto")}}))
             """
         )
         peaks = last_json(output)
