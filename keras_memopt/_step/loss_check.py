@@ -247,8 +247,7 @@ def _loss_probe(probe, data, form, split, once) -> list:
 
 
 def _term_change(once, doubled) -> str:
-    """How a term's value (and, where the value is negligible, its gradient
-    norm: `_term_kind` weighs it) changed on the samples repeated."""
+    """How a term's value (and its gradient norm, where `_term_kind` weighed it) changed."""
     change = what_changed(once[0], doubled[0])
     if max(abs(once[0]), abs(doubled[0])) >= NEGLIGIBLE:
         return change
@@ -266,8 +265,8 @@ def _term_kind(once, again, doubled):
 
     Its value decides; where the value is negligible, the gradient's norm,
     which keeps its size when the term averages over samples and doubles when
-    it sums over them; a term negligible with no gradient does nothing yet,
-    and counts as a mean.
+    it sums over them (or, where it cannot tell, the value if not zero and the
+    norm leans its way); a term negligible with no gradient counts as a mean.
     """
     by_value = kind_of(once[0], doubled[0], spread=abs(again[0] - once[0]))
     if max(abs(once[0]), abs(doubled[0])) >= NEGLIGIBLE:
@@ -276,10 +275,8 @@ def _term_kind(once, again, doubled):
         return MEAN
     by_gradient = kind_of(once[1], doubled[1], spread=abs(again[1] - once[1]))
     if by_gradient is None and min(abs(once[0]), once[1]) > 0:
-        # A gradient through a float8 `Dense` is quantized, its smallest
-        # elements to float8's subnormals: its norm can move (x0.95) where the
-        # value, small but not zero, is the same to the last bit. The value
-        # decides where the norm moved nearer to the value's kind than to the other.
+        # Quantized (float8), the norm can move (x0.95) where the value, small but
+        # not zero, stays to the last bit: the value decides where the norm leans its way.
         ratio = doubled[1] / once[1]
         nearer = MEAN if abs(ratio - 1) < abs(ratio - 2) else SUM
         return by_value if by_value == nearer else None
