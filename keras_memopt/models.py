@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import _io, _keras, _keras_losses, _validation, placement
+from keras_memopt import _io, _keras, _validation, placement
 from keras_memopt import remat as _remat
+from keras_memopt._keras import losses as _keras_losses
+from keras_memopt._oom import runner as _runner
 from keras_memopt._oom.run_settings import KeepsRunSettings
+from keras_memopt._oom.supervised import max_micro_batch_size
 from keras_memopt._serialization import SerializationMixin, functional_class
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import losses as _losses
-from keras_memopt._step import runner as _runner
 from keras_memopt._step import shares as _shares
 from keras_memopt._step import update as _update
 from keras_memopt._step.custom_steps import CustomSteps
@@ -165,7 +167,10 @@ class AccumulatingModel(
         strategy = tf.distribute.get_strategy()
         # Every argument is checked before anything is built.
         setting = MicroBatchSetting(
-            strategy.num_replicas_in_sync, micro_batch_size, accumulation_steps
+            strategy.num_replicas_in_sync,
+            micro_batch_size,
+            accumulation_steps,
+            cap=max_micro_batch_size(),
         )
         remat = _remat.validate_remat(remat)
         shares = _shares.resolve_shares(replica_shares, strategy)

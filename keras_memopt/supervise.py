@@ -61,6 +61,12 @@ import sys
 import tempfile
 
 from keras_memopt._oom.rule import backoff_factor, shrink
+from keras_memopt._oom.supervised import (
+    CAP_VARIABLE,
+    STATE_VARIABLE,
+    SizeFile,
+    max_micro_batch_size,
+)
 from keras_memopt._validation import positive_int
 
 __all__ = [
@@ -72,47 +78,11 @@ __all__ = [
     "supervise",
 ]
 
-STATE_VARIABLE = "KERAS_MEMOPT_RUN_STATE"
-CAP_VARIABLE = "KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE"
 ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 
 # Exit statuses of a process that died of one of these signals (a shell
 # reports 128 + the signal number; `subprocess` a negative number).
 _CRASHES = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
-
-
-def max_micro_batch_size() -> int | None:
-    """The cap on the micro-batch size this process was started with, if any."""
-    value = os.environ.get(CAP_VARIABLE)
-    if not value:
-        return None
-    try:
-        return positive_int(CAP_VARIABLE, int(value))
-    except ValueError as error:
-        raise ValueError(
-            f"The environment variable {CAP_VARIABLE} must be a positive integer, "
-            f"the largest micro-batch size to use. Received: {CAP_VARIABLE}={value!r}"
-        ) from error
-
-
-class SizeFile:
-    """Writes the micro-batch size in use for a supervisor, when there is one."""
-
-    def __init__(self):
-        self.path = os.environ.get(STATE_VARIABLE) or None
-        self._last = None
-
-    def write(self, micro_batch_size):
-        if isinstance(micro_batch_size, tuple):  # one per replica
-            micro_batch_size = max(micro_batch_size)
-        if self.path is None or micro_batch_size is None or micro_batch_size == self._last:
-            return
-        # Written whole, then renamed: a crash never leaves half a file.
-        temporary = f"{self.path}.{os.getpid()}"
-        with open(temporary, "w") as handle:
-            json.dump({"micro_batch_size": int(micro_batch_size)}, handle)
-        os.replace(temporary, self.path)
-        self._last = micro_batch_size
 
 
 def _crashed(returncode):

@@ -1,7 +1,7 @@
 """The out-of-memory backoff policy: shrink the micro-batch where that helps, else report.
 
 `BackoffPolicy` is what the step runner asks after an attempt at a step ran
-out of memory and was put back (`keras_memopt._step.runner`): it either sets the
+out of memory and was put back (`keras_memopt._oom.runner`): it either sets the
 smaller micro-batch to retry the same batch with, or raises the one report
 that says why no smaller micro-batch can help. `OOMBackoff` (a callback) owns
 one and attaches it to the model for the length of `fit`, `evaluate` or

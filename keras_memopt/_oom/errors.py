@@ -22,6 +22,11 @@ import traceback
 
 import tensorflow as tf
 
+from keras_memopt._step.scopes import (
+    GRADIENT_SUM_SCOPE,
+    UPDATE_RESERVATION_OP,
+    WHOLE_BATCH_LOSS_SCOPE,
+)
 from keras_memopt.memory import allocator_memory, format_bytes, parse_bytes
 
 # What TensorFlow's message says when an allocation failed but the error is
@@ -230,12 +235,6 @@ class Phase(enum.Enum):
         return self in (Phase.MICRO_BATCH, Phase.EVALUATION)
 
 
-# The names that mark a phase in a step's op names: the step opens these name
-# scopes (and names the update's reservation op) and `scoped_phase` reads an
-# out-of-memory error's op by them.
-GRADIENT_SUM_SCOPE = "gradient_sum"
-WHOLE_BATCH_LOSS_SCOPE = "whole_batch_loss"
-UPDATE_RESERVATION_OP = "update_reservation"
 
 
 def scoped_phase(op: str | None) -> Phase | None:

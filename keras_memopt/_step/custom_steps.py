@@ -26,9 +26,9 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _keras
-from keras_memopt._oom import rollback as _rollback
+from keras_memopt import _dtypes, _keras
 from keras_memopt._step import loop as _loop
+from keras_memopt._step import rollback as _rollback
 from keras_memopt._step import whole_batch as _whole_batch
 from keras_memopt._step.loss_check import (
     MEAN,
@@ -264,7 +264,7 @@ class CustomSteps:
             loss, gradients, _ = whole.gradients(
                 lambda outputs, _: loss_fn(outputs, data), data, size, variables, optimizer
             )
-            return _loop.widened(loss), gradients
+            return _dtypes.widened(loss), gradients
 
         def micro_step(micro):
             share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
@@ -272,7 +272,7 @@ class CustomSteps:
                 loss = loss_fn(micro)
                 loss = loss * tf.cast(share, loss.dtype)
                 scaled = _keras.scale_loss(optimizer, loss)
-            return _loop.widened(loss), tape.gradient(scaled, variables)
+            return _dtypes.widened(loss), tape.gradient(scaled, variables)
 
         folds = ("sum", _loop.gradient_folds(variables))
         return _loop.accumulate(micro_step, data, size, jit_compile=jit, reductions=folds)

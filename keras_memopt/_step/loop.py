@@ -33,22 +33,8 @@ import warnings
 
 import tensorflow as tf
 
-from keras_memopt import _autograph
-from keras_memopt._oom.errors import GRADIENT_SUM_SCOPE
-
-_NARROW_FLOATS = (tf.float16, tf.bfloat16)
-
-
-def sum_dtype(dtype) -> tf.DType:
-    """The dtype a sum of `dtype` values is kept in: float32 for float16 and
-    bfloat16 (mixed precision), `dtype` itself otherwise (float64 stays float64)."""
-    dtype = tf.as_dtype(dtype)
-    return tf.float32 if dtype in _NARROW_FLOATS else dtype
-
-
-def widened(tensor) -> tf.Tensor:
-    """`tensor` in `sum_dtype` of its dtype."""
-    return tf.cast(tensor, sum_dtype(tensor.dtype))
+from keras_memopt import _autograph, _dtypes
+from keras_memopt._step.scopes import GRADIENT_SUM_SCOPE
 
 
 def share_of(part, whole) -> tf.Tensor:
@@ -224,7 +210,7 @@ class _RunningSum:
             ]
             self.invariants = [tf.TensorShape([None]).concatenate(row), tf.TensorShape([None])]
         else:
-            self.dtype = sum_dtype(spec.dtype)
+            self.dtype = _dtypes.sum_dtype(spec.dtype)
             self.state = [tf.zeros([0], self.dtype)]  # replaced by the first value
             self.invariants = [tf.TensorShape(None)]
 

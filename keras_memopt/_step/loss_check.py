@@ -42,12 +42,13 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_memopt import _autograph, _keras, _keras_losses
-from keras_memopt._oom import rollback as _rollback
+from keras_memopt import _autograph, _keras
+from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import metric_check as _metric_check
+from keras_memopt._step import rollback as _rollback
 
 MEAN, SUM = "mean", "sum"
 

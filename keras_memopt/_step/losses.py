@@ -42,7 +42,8 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _keras_losses
+from keras_memopt import _dtypes, _keras
+from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import loop as _loop
 from keras_memopt._step.loss_check import (
     SUM,
@@ -159,7 +160,7 @@ class LossSplit:
         if has_compiled_loss(model):
             loss = self._compiled_share(y, y_pred, sample_weight, share, valid)
         else:  # `compile(loss=None)`: the terms of `model.losses` are the loss
-            loss = tf.zeros([], _loop.sum_dtype(_keras.keras.backend.floatx()))
+            loss = tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
         for index, term in enumerate(model.losses):
             term = _keras_losses.additional_loss(model, term)
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
@@ -231,14 +232,14 @@ class LossSplit:
 
     def penalty(self, share) -> tf.Tensor:
         """The terms of `model.losses` of the last call, each with its share, summed
-        (in the terms' `_loop.sum_dtype`; Keras's float type when there are none).
+        (in the terms' `_dtypes.sum_dtype`; Keras's float type when there are none).
 
         Not scaled for replicas: Keras scales it where it adds it
         (`whole_batch_loss`, `_keras_losses.additional_loss`).
         """
         terms = [self._term(t, i, share, 1.0) for i, t in enumerate(self.model.losses)]
         if not terms:
-            return tf.zeros([], _loop.sum_dtype(_keras.keras.backend.floatx()))
+            return tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
         return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
 
     def whole_batch_loss(self, x, y, y_pred, sample_weight, penalty, training):
@@ -253,7 +254,7 @@ class LossSplit:
     def _term(self, term, index, mean_share, sum_share):
         kinds = (self.form or LossForm()).terms
         kind = kinds[index] if index < len(kinds) else None
-        term = tf.reduce_sum(_loop.widened(term))
+        term = tf.reduce_sum(_dtypes.widened(term))
         return term * tf.cast(sum_share if kind == SUM else mean_share, term.dtype)
 
 

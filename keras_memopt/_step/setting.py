@@ -6,7 +6,7 @@ the traced step reads, so that changing it (by hand, from a callback, by
 `OOMBackoff`) retraces nothing. The model's properties delegate to it.
 
 A process started by `keras-memopt run` after a crash also has a cap on the
-micro-batch size (`keras_memopt.supervise.max_micro_batch_size`): it bounds
+micro-batch size (`cap`, from `keras_memopt._oom.supervised`): it bounds
 whatever the setting gives, and leaves the setting itself as the user made it.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_memopt import supervise
 from keras_memopt._validation import micro_batch_split
 
 
@@ -26,19 +25,21 @@ class MicroBatchSetting:
         micro_batch_size: int, a tuple of ints (one per replica), `"auto"`
             (resolved at the first step), or None.
         accumulation_steps: int or None; at most one of the two is set.
+        cap: int or None, the largest micro-batch size this process may use.
 
     Raises:
-        ValueError: for a setting `micro_batch_split` refuses, a tuple of
-            sizes that does not give one per replica, or a supervisor's cap
-            that is not a positive integer.
+        ValueError: for a setting `micro_batch_split` refuses, or a tuple of
+            sizes that does not give one per replica.
     """
 
-    def __init__(self, replicas: int, micro_batch_size=None, accumulation_steps=None):
+    def __init__(
+        self, replicas: int, micro_batch_size=None, accumulation_steps=None, cap=None
+    ):
         self.replicas = replicas
         self.micro_batch_size, self.accumulation_steps = self._validated(
             micro_batch_size, accumulation_steps
         )
-        self.cap = supervise.max_micro_batch_size()
+        self.cap = cap
         with tf.init_scope():
             self._sizes = tf.Variable(
                 tf.zeros([replicas], tf.int32), trainable=False, name="micro_batch_sizes"

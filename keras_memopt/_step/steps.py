@@ -21,11 +21,14 @@ whether any ran out of memory (`keras_memopt._oom.coordinator`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _keras_losses, distribute
+from keras_memopt import _dtypes, _keras, distribute
+from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import loss_check as _loss_check
@@ -33,7 +36,28 @@ from keras_memopt._step import losses as _losses
 from keras_memopt._step import per_update as _per_update
 from keras_memopt._step import shares as _shares
 from keras_memopt._step import whole_batch as _whole_batch
-from keras_memopt._step.runner import StepFunctions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """What the model hands its step runner for one kind of step.
+
+    Attributes:
+        kind: "train", "test" or "predict".
+        step: the whole step, `step(data) -> outputs` (`model.train_step`).
+        prepare: `prepare(data)`, run once before the first step, on its batch.
+        halves: `(local, finish)`: the model's own step in two, the first
+            without collective ops, so that several workers can agree between
+            them; None for a custom step, which cannot be split.
+        own: whether `step` is the model's own (its update guarded, and the
+            loop's state all that a failed attempt changes before it).
+    """
+
+    kind: str
+    step: Callable
+    prepare: Callable
+    halves: tuple | None
+    own: bool
 
 
 class MicroBatchSteps:
@@ -182,7 +206,7 @@ class MicroBatchSteps:
                 scaled = _keras.scale_loss(self.optimizer, loss)
             gradients = tape.gradient(scaled, variables)
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
-            return _loop.widened(loss), gradients, per_update.extremes()
+            return _dtypes.widened(loss), gradients, per_update.extremes()
 
         def micro_step(micro, counts):
             step = functools.partial(micro_pass, micro, counts)
@@ -241,7 +265,7 @@ class MicroBatchSteps:
             y_pred, penalty, _ = whole.outputs((x, y, sample_weight), size)
             loss = loss_fn(y_pred, penalty)
         _keras.update_metrics(self, x, y, y_pred, sample_weight)
-        return _loop.widened(loss), replica_batch, gradients
+        return _dtypes.widened(loss), replica_batch, gradients
 
     def _layer_metrics_weighted(self, micro, batch_size, fn):
         """`fn()`, with what it adds to the layers' own metrics weighted by the
@@ -278,7 +302,7 @@ class MicroBatchSteps:
                 micro_x, micro_y, y_pred, micro_weight, batch_size, counts, training=False
             )
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
-            return _loop.widened(loss)
+            return _dtypes.widened(loss)
 
         def micro_step(micro, counts):
             step = functools.partial(micro_pass, micro, counts)

@@ -33,8 +33,8 @@ import math
 import tensorflow as tf
 
 from keras_memopt import _keras, memory
-from keras_memopt._oom.errors import UPDATE_RESERVATION_OP
 from keras_memopt._step import loop as _loop
+from keras_memopt._step.scopes import UPDATE_RESERVATION_OP
 
 _KIB = 1024
 

@@ -30,10 +30,11 @@ import functools
 
 import tensorflow as tf
 
-from keras_memopt import _keras, _keras_losses
-from keras_memopt._oom.errors import WHOLE_BATCH_LOSS_SCOPE
-from keras_memopt._remat import replay as _replay
+from keras_memopt import _dtypes, _keras
+from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import loop as _loop
+from keras_memopt._step import replay as _replay
+from keras_memopt._step.scopes import WHOLE_BATCH_LOSS_SCOPE
 
 
 def _floating(tensor) -> bool:
@@ -89,7 +90,7 @@ class WholeBatch:
                 [m for m in masks if m is not None],
                 [t for t in logits if t is not None],
                 [s[None] for s in state],
-                tf.reshape(_loop.widened(penalty), [1]),
+                tf.reshape(_dtypes.widened(penalty), [1]),
             )
 
         flat, masks, logits, states, penalties = _loop.concatenate(
@@ -104,10 +105,10 @@ class WholeBatch:
         for tensor, like in zip(flat, traced, strict=True):
             tensor.set_shape([rows, *like.shape[1:]])
             if _floating(tensor):
-                tensor = _loop.widened(tensor)
+                tensor = _dtypes.widened(tensor)
             if _keras.logits_of(like) is not None:
                 tensor = _keras.carry_logits(
-                    tensor, _loop.widened(tf.ensure_shape(next(logits), tensor.shape)), like
+                    tensor, _dtypes.widened(tf.ensure_shape(next(logits), tensor.shape)), like
                 )
             if _keras.get_mask(like) is not None:
                 mask = next(masks)

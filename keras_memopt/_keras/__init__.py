@@ -346,7 +346,7 @@ def functional_config(model, config):
     return {**view.get_config(), **config}
 
 
-# -- the step runner (keras_memopt._step.runner) -------------------------------------
+# -- the step runner (keras_memopt._oom.runner) --------------------------------------
 
 
 def optimizers_of(model) -> list:

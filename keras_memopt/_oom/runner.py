@@ -9,7 +9,7 @@ attempt can run again on the same batch) and runs the model's step on it.
 With an out-of-memory policy attached (`OOMBackoff`, or
 `micro_batch_size="auto"`), `run` is one retry loop: attempt the step; on an
 out-of-memory error put back what the attempt changed
-(`keras_memopt._oom.rollback`), ask the policy (which sets a smaller
+(`keras_memopt._step.rollback`), ask the policy (which sets a smaller
 micro-batch, or raises its report), and attempt the same batch again.
 Under several workers all agree on each attempt, before its collective part
 and after it
@@ -22,41 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_memopt import _keras, distribute, memory, supervise
+from keras_memopt import _keras, distribute, memory
 from keras_memopt._memory.sizes import bytes_if_known, variables_bytes
 from keras_memopt._oom import coordinator as _coordinator
 from keras_memopt._oom import errors as _oom_errors
-from keras_memopt._oom import rollback as _rollback
 from keras_memopt._oom.auto_search import AutoSearch
 from keras_memopt._oom.coordinator import StepStatus
+from keras_memopt._oom.supervised import SizeFile
 from keras_memopt._step import loop as _loop
+from keras_memopt._step import rollback as _rollback
 from keras_memopt._step import shares as _shares
-
-
-@dataclasses.dataclass(frozen=True)
-class StepFunctions:
-    """What the model hands its step runner for one kind of step.
-
-    Attributes:
-        kind: "train", "test" or "predict".
-        step: the whole step, `step(data) -> outputs` (`model.train_step`).
-        prepare: `prepare(data)`, run once before the first step, on its batch.
-        halves: `(local, finish)`: the model's own step in two, the first
-            without collective ops, so that several workers can agree between
-            them; None for a custom step, which cannot be split.
-        own: whether `step` is the model's own (its update guarded, and the
-            loop's state all that a failed attempt changes before it).
-    """
-
-    kind: str
-    step: Callable
-    prepare: Callable
-    halves: tuple | None
-    own: bool
+from keras_memopt._step.steps import StepFunctions
 
 
 class StepRunner:
@@ -80,7 +59,7 @@ class StepRunner:
         self._prepared = False
         self._search = None  # micro_batch_size="auto", until its run of steps ends
         self._peaks = {}  # device -> the allocator's peak in the last attempt that ran
-        self._size_file = supervise.SizeFile()
+        self._size_file = SizeFile()
         # What a failed attempt must put back: the loop's state for the
         # model's own step (its update is guarded), everything for a custom one.
         kept = _rollback.loop_variables if self._own else _rollback.state_variables

@@ -8,8 +8,8 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_memopt import _dtypes
 from keras_memopt._keras import LEGACY, keras
-from keras_memopt._step import loop as _loop
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
@@ -48,7 +48,7 @@ def additional_loss(model, term):
     """A term of `model.losses` as Keras adds it to the loss (scaled for replicas)."""
     if LEGACY:
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        term = tf.reduce_sum(_loop.widened(term))
+        term = tf.reduce_sum(_dtypes.widened(term))
         return term / replicas if replicas > 1 else term
     return model._aggregate_additional_loss(term)
 
