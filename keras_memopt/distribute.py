@@ -32,7 +32,11 @@ def writes_files(strategy) -> bool:
 
     (tf_keras sends non-chief workers' files to temporary paths itself.)
     """
-    return _keras.LEGACY or not multi_worker(strategy) or bool(strategy.extended.should_checkpoint)
+    return (
+        _keras.REDIRECTS_NON_CHIEF_FILES
+        or not multi_worker(strategy)
+        or bool(strategy.extended.should_checkpoint)
+    )
 
 
 def local_variables(variables, strategy) -> list:
@@ -70,7 +74,7 @@ def reduce_per_replica(values, strategy, reduction):
     if reduction == "auto":
         tpu = isinstance(strategy, tf.distribute.TPUStrategy)
         # tf_keras sums, Keras 3 averages (the values agree across replicas).
-        reduction = "first" if tpu else ("sum" if _keras.LEGACY else "mean")
+        reduction = "first" if tpu else ("sum" if _keras.REPLICA_OUTPUTS_SUMMED else "mean")
     workers = multi_worker(strategy)
 
     def reduce(value):
@@ -140,7 +144,7 @@ def reduction_of(model, kind):
 
 def counted(model, kind, step):
     """`step`, advancing tf_keras's step counter once it has run."""
-    counter = getattr(model, f"_{kind}_counter", None) if _keras.LEGACY else None
+    counter = _keras.step_counter(model, kind)
     if counter is None:
         return step
 
@@ -177,6 +181,7 @@ def on_replica_device(finish):
 def compiled(model, function):
     if model.run_eagerly:
         return function
-    jit_compile = False if _keras.LEGACY else bool(model.jit_compile)
     # As each line's own step functions call `train_step`: not converted.
-    return _autograph.function(function, reduce_retracing=True, jit_compile=jit_compile)
+    return _autograph.function(
+        function, reduce_retracing=True, jit_compile=_keras.step_jit_compile(model)
+    )

@@ -171,7 +171,7 @@ def place(model, devices, device_cuts):
         device = placement.device_of(node)
         if _device_key(_keras.variable_device(variable)) != _device_key(device):
             moves.append((variable, device))
-    if moves and _keras.LEGACY:
+    if moves and not _keras.MOVES_VARIABLES:
         variable, device = moves[0]
         raise ValueError(
             "tf_keras cannot move a layer's variables to another device once they "

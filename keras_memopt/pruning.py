@@ -39,7 +39,8 @@ exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
 
 from __future__ import annotations
 
-from keras_memopt import _keras, _tfmot
+from keras_memopt import _keras
+from keras_memopt._keras import tfmot as _tfmot
 from keras_memopt._step import per_update as _per_update
 from keras_memopt.models import AccumulatingModel
 

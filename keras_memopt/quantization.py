@@ -32,7 +32,7 @@ quantized.fit(x, y, batch_size=256, epochs=4)
 
 from __future__ import annotations
 
-from keras_memopt import _tfmot
+from keras_memopt._keras import tfmot as _tfmot
 from keras_memopt._step import per_update as _per_update
 from keras_memopt.models import AccumulatingModel
 

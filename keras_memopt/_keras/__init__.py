@@ -28,6 +28,24 @@ InputLayer = keras.layers.InputLayer
 register_serializable = keras.saving.register_keras_serializable
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
 
+# What the two lines do differently, named for what the rest of the package needs to know.
+# Keras 3's `predict` pulls its batches itself and hands the step function a list of them.
+PREDICT_HANDS_A_LIST = not LEGACY
+# tf_keras sums the replicas' step outputs (their values agree), Keras 3 averages them.
+REPLICA_OUTPUTS_SUMMED = LEGACY
+# tf_keras sends a non-chief worker's checkpoint files to temporary paths itself.
+REDIRECTS_NON_CHIEF_FILES = LEGACY
+# tf_keras cannot move a layer's variables to another device once they exist.
+MOVES_VARIABLES = not LEGACY
+# tf_keras keeps each epoch's iterator in reference cycles, its prefetched batches
+# allocated until Python's collector runs.
+ITERATORS_IN_CYCLES = LEGACY
+# Keras 3 layers keep their random state in seed generator variables (a backup saves
+# them); tf_keras layers draw from stateful random ops by default.
+RANDOM_STATE_IN_VARIABLES = not LEGACY
+# Keras 3 lets a step replace `model.losses` (`_losses_override`); tf_keras has no such hook.
+REPLACES_MODEL_LOSSES = not LEGACY
+
 def check_line(name, value):
     """Raises when `value` holds objects of the other Keras line than the one in use.
 
@@ -83,6 +101,40 @@ def resolve_jit_compile(model, jit_compile):
 def compile_kwargs(jit_compile):
     """`compile` keyword arguments for the outer step's compilation."""
     return {"jit_compile": False} if LEGACY else {"jit_compile": jit_compile}
+
+
+def leave_step_uncompiled(model):
+    """Keras 3: the outer step is not XLA-compiled (each micro-batch's pass may be)."""
+    if not LEGACY:
+        model.jit_compile = False
+
+
+def step_jit_compile(model) -> bool:
+    """Whether the outer step function is compiled with XLA (never on tf_keras)."""
+    return False if LEGACY else bool(model.jit_compile)
+
+
+def jit_compile_requested(model) -> bool:
+    """Whether XLA was asked for by `compile(jit_compile=True)`, not chosen by "auto"
+    (tf_keras resolves "auto" to no XLA: any XLA there was asked for)."""
+    return LEGACY or (model.get_compile_config() or {}).get("jit_compile") is True
+
+
+def calls_with_training(model) -> bool:
+    """Whether the steps call `model` with `training=`: tf_keras always; Keras 3 only
+    where its `call` takes it (else its layers run at their defaults, in `fit` too)."""
+    return LEGACY or bool(model._call_has_training_arg)
+
+
+def step_counter(model, kind):
+    """tf_keras's own counter of `kind` ("train", "test", "predict") steps, or None."""
+    return getattr(model, f"_{kind}_counter", None) if LEGACY else None
+
+
+def step_counters(model) -> list:
+    """tf_keras's own step counters, which its step functions advance."""
+    counters = (step_counter(model, kind) for kind in ("train", "test", "predict"))
+    return [counter for counter in counters if counter is not None]
 
 
 def get_mask(tensor):
@@ -216,8 +268,10 @@ def symbolic_build(model, data_batch):
     traced step, which TensorFlow then traces twice (a function that made
     variables is traced again). Keras's own also reduces a distributed batch
     across replicas, which fails across workers: `data_batch` is one
-    replica's part.
+    replica's part. tf_keras builds nothing here (`build_step_state`).
     """
+    if LEGACY:
+        return
     with model.distribute_strategy.scope(), warnings.catch_warnings():
         # Keras says it in the traced step, as often as for a plain model.
         warnings.filterwarnings("ignore", message="The structure of `inputs` doesn't match")

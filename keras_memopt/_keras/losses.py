@@ -11,6 +11,11 @@ import tensorflow as tf
 from keras_memopt import _dtypes
 from keras_memopt._keras import LEGACY, keras
 
+# tf_keras's loss container weighs the loss it reports by the call's dynamic batch size
+# and adds the terms of `model.losses` itself: a micro-batch's loss is expressed per
+# sample of the micro-batch there. Keras 3's container leaves the terms to the step.
+PER_SAMPLE_CONTAINER = LEGACY
+
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """The model's `compute_loss` (a user's override included), regularisation included."""
@@ -53,6 +58,16 @@ def additional_loss(model, term):
     return model._aggregate_additional_loss(term)
 
 
+def loss_with_terms(model, x, y, y_pred, sample_weight, terms, training):
+    """The loss of outputs `y_pred` as Keras computes it, with `terms` in place of
+    `model.losses` (a user's `compute_loss` included on Keras 3; the compiled loss on
+    tf_keras, which has no hook to replace them: see `losses_replaced`)."""
+    if LEGACY:
+        return compiled_loss(model, y, y_pred, sample_weight, list(terms))
+    with losses_replaced(model, terms):
+        return compute_loss(model, x, y, y_pred, sample_weight, training)
+
+
 @contextlib.contextmanager
 def losses_replaced(model, terms):
     """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
@@ -71,9 +86,10 @@ def losses_replaced(model, terms):
 
 
 def output_loss_trackers(model):
-    """Keras 3's per-output loss trackers (`Mean` metrics), in output order."""
+    """Keras 3's per-output loss trackers (`Mean` metrics), in output order; none on
+    tf_keras, whose container weighs them itself (`PER_SAMPLE_CONTAINER`)."""
     container = compiled_loss_container(model)
-    return list(container.metrics) if container is not None else []
+    return list(container.metrics) if container is not None and not LEGACY else []
 
 
 def unweighted_loss_metric(model):

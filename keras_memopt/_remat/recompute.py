@@ -25,8 +25,8 @@ import contextlib
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._keras import replay as _replay
 from keras_memopt._step import per_update as _per_update
-from keras_memopt._step import replay as _replay
 
 try:  # The forward pass of a segment must not be recorded by an outer tape.
     from tensorflow.python.eager.record import stop_recording as _stop_recording

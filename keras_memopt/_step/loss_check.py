@@ -108,7 +108,7 @@ def check(model, data, whole_batch_loss=False, split=None) -> LossForm:
             compiled metric that does not add up over micro-batches (unless
             `whole_batch_loss`: `keras_memopt._step.metric_check`).
     """
-    if whole_batch_loss and _keras.LEGACY and overrides(model, "compute_loss"):
+    if whole_batch_loss and not _keras.REPLACES_MODEL_LOSSES and overrides(model, "compute_loss"):
         raise ValueError(
             "`whole_batch_loss=True` with an overridden `compute_loss` needs Keras 3: "
             "tf_keras has no way to hand it the micro-batches' `add_loss` terms. "

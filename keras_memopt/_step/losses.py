@@ -153,8 +153,8 @@ class LossSplit:
             # error where there is no loss at all).
             loss = _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(share, loss.dtype)
-        if _keras.LEGACY:
-            # tf_keras's container adds the terms, per sample of the micro-batch.
+        if _keras_losses.PER_SAMPLE_CONTAINER:
+            # The container adds the terms, per sample of the micro-batch.
             terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
             return self._compiled_share(y, y_pred, sample_weight, share, valid, terms)
         if has_compiled_loss(model):
@@ -171,7 +171,7 @@ class LossSplit:
         (see the module docstring), with `terms` on tf_keras."""
         form = form or self.form or LossForm()
         masks = self.divisor_masks(y, y_pred, form)
-        if _keras.LEGACY:
+        if _keras_losses.PER_SAMPLE_CONTAINER:
             # Per sample of the micro-batch (see the module docstring).
             shares = _output_shares(masks, form.summed, valid, share, None)
             weights = _output_weights(y_pred, sample_weight, shares)
@@ -245,11 +245,9 @@ class LossSplit:
     def whole_batch_loss(self, x, y, y_pred, sample_weight, penalty, training):
         """The batch's loss of its outputs `y_pred`, as Keras computes it, plus `penalty`
         (the summed terms of `model.losses` of every micro-batch, see `penalty`)."""
-        model = self.model
-        if _keras.LEGACY:
-            return _keras_losses.compiled_loss(model, y, y_pred, sample_weight, [penalty])
-        with _keras_losses.losses_replaced(model, [penalty]):
-            return _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
+        return _keras_losses.loss_with_terms(
+            self.model, x, y, y_pred, sample_weight, [penalty], training
+        )
 
     def _term(self, term, index, mean_share, sum_share):
         kinds = (self.form or LossForm()).terms
@@ -340,7 +338,7 @@ class OutputLossTrackers:
     """
 
     def __init__(self, model):
-        self.trackers = [] if _keras.LEGACY else _keras_losses.output_loss_trackers(model)
+        self.trackers = _keras_losses.output_loss_trackers(model)
         self.unweighted = _keras_losses.unweighted_loss_metric(model)
         self.before = [
             (tf.identity(t.total.value), tf.identity(t.count.value)) for t in self.trackers

@@ -40,14 +40,6 @@ def _unique(groups):
     return variables
 
 
-def step_counters(model) -> list:
-    """tf_keras's own step counters, which its step functions advance."""
-    if not _keras.LEGACY:
-        return []
-    names = ("_train_counter", "_test_counter", "_predict_counter")
-    return [c for c in (getattr(model, n, None) for n in names) if c is not None]
-
-
 def update_variables(model) -> list:
     """What an optimizer update changes: the trainable weights and the variables
     of the model's optimizers (`model.optimizer`, and others a custom step uses)."""
@@ -68,7 +60,7 @@ def state_variables(model) -> list:
         model.variables,
         update_variables(model),
         [v for metric in model.metrics for v in metric.variables],
-        step_counters(model),
+        _keras.step_counters(model),
         _keras.global_random_state(),
     ])
 

@@ -32,8 +32,8 @@ import tensorflow as tf
 
 from keras_memopt import _dtypes, _keras
 from keras_memopt._keras import losses as _keras_losses
+from keras_memopt._keras import replay as _replay
 from keras_memopt._step import loop as _loop
-from keras_memopt._step import replay as _replay
 from keras_memopt._step.scopes import WHOLE_BATCH_LOSS_SCOPE
 
 

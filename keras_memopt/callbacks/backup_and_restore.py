@@ -94,4 +94,9 @@ class _BackupAndRestore(keras.callbacks.BackupAndRestore):
             super().on_train_end(logs)
 
 
-BackupAndRestore = keras.callbacks.BackupAndRestore if _keras.LEGACY else _BackupAndRestore
+# tf_keras's own already does what this one adds: its layers keep no random state in
+# variables, and it sends a non-chief worker's files to temporary paths itself.
+BackupAndRestore = (
+    _BackupAndRestore if _keras.RANDOM_STATE_IN_VARIABLES
+    else keras.callbacks.BackupAndRestore
+)

@@ -132,8 +132,7 @@ class OOMBackoff(keras.callbacks.Callback):
     def _leave_xla(self, model):
         # After an out-of-memory error inside XLA the allocator is corrupt
         # (docs/oom-backoff.md): no rollback can make it safe.
-        requested = _keras.LEGACY or (model.get_compile_config() or {}).get("jit_compile")
-        if requested is True:
+        if _keras.jit_compile_requested(model):
             raise ValueError(
                 "OOMBackoff cannot recover from an out-of-memory error inside "
                 "an XLA-compiled step: TensorFlow's allocator is left corrupt "
@@ -155,9 +154,9 @@ class OOMBackoff(keras.callbacks.Callback):
         self._in_fit = True
 
     def on_epoch_begin(self, epoch, logs=None):
-        if _keras.LEGACY:
-            # tf_keras keeps each epoch's iterator in reference cycles, its
-            # prefetched batches allocated until the collector runs: a size
+        if _keras.ITERATORS_IN_CYCLES:
+            # Each epoch's iterator's prefetched batches stay allocated until
+            # the collector runs (`_keras.ITERATORS_IN_CYCLES`): a size
             # that trained one epoch would fail the next (docs/oom-backoff.md).
             gc.collect()
 
