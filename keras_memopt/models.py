@@ -7,9 +7,10 @@ import tensorflow as tf
 from keras_memopt import _io, _keras, _validation, placement
 from keras_memopt import remat as _remat
 from keras_memopt._keras import losses as _keras_losses
+from keras_memopt._oom import run_settings as _run_settings
 from keras_memopt._oom import runner as _runner
-from keras_memopt._oom.run_settings import KeepsRunSettings
 from keras_memopt._oom.supervised import max_micro_batch_size
+from keras_memopt._oom.update_guard import UpdateGuard
 from keras_memopt._serialization import SerializationMixin, functional_class
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import losses as _losses
@@ -26,7 +27,6 @@ keras = _keras.keras
 
 
 class AccumulatingModel(
-    KeepsRunSettings,
     MicroBatchSteps,
     CustomSteps,
     _remat.RematMixin,
@@ -187,7 +187,7 @@ class AccumulatingModel(
             object.__setattr__(self, "__class__", functional_class(type(self)))
         super().__init__(*args, **kwargs)
         # A plain holder: Keras must not track (nor save) its variables.
-        self._run = RunState(setting, shares, whole_batch_loss)
+        self._run = RunState(setting, shares, whole_batch_loss, guard=UpdateGuard())
         self._run.loss_split = _losses.LossSplit(self)
         self.oom_policy = None
         self._set_placement(devices, device_cuts)
@@ -345,8 +345,7 @@ class AccumulatingModel(
         super().compile(*args, **_keras.compile_kwargs(jit), **kwargs)
         self._run.jit_compile = _keras.resolve_jit_compile(self, jit)
         self._run.loss_split = _losses.LossSplit(self)
-        if not _keras.LEGACY:
-            self.jit_compile = False
+        _keras.leave_step_uncompiled(self)
         _update.chain_updates(self.optimizer, place_on_variable_device=self.devices is not None)
         if self._placement is not None:
             # Built here, outside any traced step, each slot is made on its
@@ -368,6 +367,21 @@ class AccumulatingModel(
 
     def make_predict_function(self, force=False):
         return self._make_runner("predict", force)
+
+    # `fit`, `evaluate` and `predict` leave the run-time settings that callbacks may
+    # change (`oom_policy`, `micro_batch_jit_compile`) as they found them, however
+    # they end (`keras_memopt._oom.run_settings`).
+    def fit(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().predict(*args, **kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras 3 builds here from a batch it takes out of the user's data; the

@@ -252,7 +252,7 @@ def every_replica(tensors) -> list:
     Keras's optimizer assigns a variable it overwrites with its "gradient" (Keras
     3's float8 scales and amax histories) in each replica's context, before the
     all-reduce of the other gradients. The update of a model with such variables
-    waits for its gradients through this (`UpdateGuard.begin`): without it a
+    waits for its gradients through this (`update.after_the_loop`): without it a
     replica assigned them while another replica's loop still ran, and an
     out-of-memory error there left them assigned for the retry.
     """

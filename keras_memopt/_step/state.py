@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_memopt._step.setting import MicroBatchSetting
-from keras_memopt._step.update import UpdateGuard
+from keras_memopt._step.update import Unguarded
 
 
 @dataclasses.dataclass(eq=False)
@@ -22,7 +22,8 @@ class RunState:
         setting: the micro-batch setting (variables the traced step reads).
         replica_shares: each replica's share of a batch, or None.
         whole_batch_loss: whether the loss is taken once on the whole batch.
-        guard: lets the update start only where it fits (`UpdateGuard`).
+        guard: what the update waits for (`keras_memopt._step.update.Unguarded`,
+            or the `UpdateGuard` that lets it start only where it fits).
         jit_compile: whether each micro-batch's step is compiled with XLA.
         loss_split: how the compiled loss splits over micro-batches
             (`keras_memopt._step.losses.LossSplit`, made at `compile`).
@@ -38,7 +39,7 @@ class RunState:
     setting: MicroBatchSetting
     replica_shares: tuple | None = None
     whole_batch_loss: bool = False
-    guard: UpdateGuard = dataclasses.field(default_factory=UpdateGuard)
+    guard: object = dataclasses.field(default_factory=Unguarded)
     jit_compile: bool = False
     loss_split: object = None
     segment_plan: object = None

@@ -15,7 +15,7 @@ with the batch split:
 Custom train steps use the same loop through `accumulate_gradients`
 (`keras_memopt._step.custom_steps`).
 
-The halves are separate so that several workers can agree between them
+The parts are separate so that several workers can agree between them
 whether any ran out of memory (`keras_memopt._oom.coordinator`).
 """
 
@@ -35,6 +35,7 @@ from keras_memopt._step import loss_check as _loss_check
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import per_update as _per_update
 from keras_memopt._step import shares as _shares
+from keras_memopt._step import update as _update
 from keras_memopt._step import whole_batch as _whole_batch
 
 
@@ -46,40 +47,41 @@ class StepFunctions:
         kind: "train", "test" or "predict".
         step: the whole step, `step(data) -> outputs` (`model.train_step`).
         prepare: `prepare(data)`, run once before the first step, on its batch.
-        halves: `(local, finish)`: the model's own step in two, the first
+        parts: `(local, collective)`: the model's own step in two, the first
             without collective ops, so that several workers can agree between
             them; None for a custom step, which cannot be split.
-        own: whether `step` is the model's own (its update guarded, and the
-            loop's state all that a failed attempt changes before it).
+        builtin: whether `step` is AccumulatingModel's own, not a user's
+            override (its update guarded, and the loop's state all that a
+            failed attempt changes before it).
     """
 
     kind: str
     step: Callable
     prepare: Callable
-    halves: tuple | None
-    own: bool
+    parts: tuple | None
+    builtin: bool
 
 
 class MicroBatchSteps:
     """The steps of `AccumulatingModel` (a mixin: see that class)."""
 
     def _step_functions(self, kind) -> StepFunctions:
-        """What the step runner of `kind` runs: the step, its preparation, its halves."""
-        own = getattr(type(self), f"{kind}_step") is getattr(MicroBatchSteps, f"{kind}_step")
-        halves = None  # a custom step cannot be split
-        if own and kind == "train":
-            halves = self._train_gradients, lambda outputs: self._train_update(*outputs)
-        elif own and kind == "test":
-            halves = self._test_loss, lambda outputs: self._test_logs(*outputs)
-        elif own:
-            halves = self.predict_step, None
+        """What the step runner of `kind` runs: the step, its preparation, its parts."""
+        builtin = getattr(type(self), f"{kind}_step") is getattr(MicroBatchSteps, f"{kind}_step")
+        parts = None  # a custom step cannot be split
+        if builtin and kind == "train":
+            parts = self._train_gradients, lambda outputs: self._train_update(*outputs)
+        elif builtin and kind == "test":
+            parts = self._test_loss, lambda outputs: self._test_logs(*outputs)
+        elif builtin:
+            parts = self.predict_step, None
         step = self._checked_train_step if kind == "train" else getattr(self, f"{kind}_step")
-        prepare = functools.partial(self._prepare_step, kind, own=own)
-        return StepFunctions(kind, step, prepare, halves, own)
+        prepare = functools.partial(self._prepare_step, kind, builtin=builtin)
+        return StepFunctions(kind, step, prepare, parts, builtin)
 
     # -- what every step does first ------------------------------------------------
 
-    def _prepare_step(self, kind, data, own):
+    def _prepare_step(self, kind, data, builtin):
         """Makes, from the first step's own batch, what it would make while traced.
 
         Keras 3 builds the model, the compiled metrics and losses and the
@@ -96,9 +98,9 @@ class MicroBatchSteps:
         buildable = isinstance(self, _keras.Functional) or (
             type(self).call is not _keras.keras.Model.call
         )
-        if buildable and not _keras.LEGACY and kind != "predict":
+        if buildable and kind != "predict":
             _keras.symbolic_build(self, local)
-        if kind != "predict" and own:
+        if kind != "predict" and builtin:
             self._run.loss_split.check(local, self._run.whole_batch_loss)
         elif kind == "train":
             self._check_custom_loss(local)
@@ -108,11 +110,8 @@ class MicroBatchSteps:
         plan = self._run.segment_plan
         if plan is not None and (training or plan.placed):
             return plan(x, training=training)
-        if _keras.LEGACY or self._call_has_training_arg:
+        if _keras.calls_with_training(self):
             return self(x, training=training)
-        # Keras 3's own steps call a model whose `call` takes no `training` without
-        # one: its layers run at their defaults (Dropout off, BatchNormalization in
-        # inference mode), in `fit` too.
         return self(x)
 
     def _build_before_loop(self, x):
@@ -225,7 +224,7 @@ class MicroBatchSteps:
         variables = self.trainable_variables
         if variables:
             overwrites = any(_loop.overwritten(v) for v in variables)
-            began = self._run.guard.begin(gradients, overwrites)
+            began = self._run.guard.begin(_update.after_the_loop(gradients, overwrites))
             with tf.control_dependencies([began]):
                 _keras.apply_gradients(self.optimizer, gradients, variables)
         return self.get_metrics_result()
