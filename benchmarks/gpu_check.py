@@ -79,7 +79,7 @@ CONFIGS = (
 SMALL_CONFIGS = (("accumulating", 4, False), ("plain", 1, False))
 # Per scale: seconds each part may take at most.
 LIMITS = {
-    "gpu": dict(probe=40, memory=45, oom=60, logical=45),
+    "gpu": dict(probe=40, memory=45, oom=75, logical=45),
     "cpu": dict(probe=60, memory=240, oom=60, logical=60),
     "small": dict(probe=60, memory=120, oom=60, logical=60),
 }
@@ -260,6 +260,25 @@ def nvml_memory():
     return int(info.used), int(info.free), int(info.total)
 
 
+def fill_device(tf, nbytes, piece):
+    """Tensors on GPU 0 holding about `nbytes`, and the bytes they hold.
+
+    In pieces of at most `piece` bytes: they also fill the holes between what the
+    allocator holds, which one tensor of `nbytes` would need in one piece. Stops at
+    the first piece that does not fit.
+    """
+    pieces, held = [], 0
+    with tf.device("GPU:0"):
+        while nbytes - held >= 4:
+            size = min(piece, nbytes - held) // 4
+            try:
+                pieces.append(tf.zeros([size]))
+            except tf.errors.ResourceExhaustedError:
+                break
+            held += 4 * size
+    return pieces, held
+
+
 def failing_allocation(tf, nbytes):
     """(seconds, error type, message) of an allocation of `nbytes` that cannot fit."""
     started = time.perf_counter()
@@ -301,9 +320,9 @@ def oom_worker(task):
     # What the allocator could still hand out: BFC up to its limit; the async
     # pool what the device has free plus what its pool keeps (its high-water mark).
     available = GPU_LIMIT_MIB * MIB - current if allocator == "bfc" else free + high - current
-    ballast_bytes = max(available - (peaks[whole] + peaks[whole // 2]) // 2, 0)
-    with tf.device("GPU:0"):
-        ballast = tf.zeros([ballast_bytes // MIB, MIB // 4])
+    headroom = (peaks[whole] + peaks[whole // 2]) // 2
+    ballast, ballast_bytes = fill_device(tf, max(available - headroom, 0),
+                                         piece=max(min(16 * MIB, headroom // 8), 4096))
     model.micro_batch_size = whole
     timer = _common.step_timer()
     started = time.perf_counter()
@@ -362,11 +381,17 @@ def logical_worker(task):
     for thread in threads:
         thread.join()
     for run, device, model in zip(runs, devices, models, strict=True):
-        run.update(device=device, weights_on=model.weights[0].device,
+        run.update(device=device, weights_on=variable_device(model.weights[0]),
                    limit_mib=(kmo.memory.device_total(device) or 0) / MIB,
                    peak_mib=tf.config.experimental.get_memory_info(device)["peak"] / MIB)
     return dict(status="ok", runs=runs, wall_s=time.perf_counter() - started,
                 nvml_used_mib=nvml_memory()[0] / MIB)
+
+
+def variable_device(variable):
+    """Where a Keras 3 variable (its `value`, a `tf.Variable`) or a tf_keras one lives."""
+    value = getattr(variable, "value", None)
+    return (variable if value is None or callable(value) else value).device
 
 
 def probe_worker(task):

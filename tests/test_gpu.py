@@ -55,7 +55,7 @@ def test_oom_from_the_gpu_allocator_is_recovered_by_oom_backoff():
             iterations=int(model.optimizer.iterations.numpy()),
             loss=history.history["loss"],
             finite=all(bool(np.isfinite(w).all()) for w in model.get_weights()),
-            weights_on=model.weights[0].device,
+            weights_on=model.weights[0].value.device,  # a Keras 3 variable's tf.Variable
         )))
     """, timeout=300)
     result = last_json(output)
