@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import FLOAT32, IDENTICAL, assert_same_weights, classification_data
 from _oracles import dense_gradients
 from conftest import LEGACY, last_json, peak_bytes_of_fit, run_python
 
@@ -12,17 +13,8 @@ from keras_memopt._keras import keras
 
 layers = keras.layers
 
-# float32 accumulation sums the same terms in another order than one large
-# batch does; after several Adam updates (which divide by the root of tiny
-# second moments) the weights agree to about 1e-6, rarely 2e-6.
-RTOL, ATOL = 1e-5, 1e-5
-
-
-def _data(n=60, features=6, classes=3, seed=0):
-    rng = np.random.RandomState(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    y = rng.randint(0, classes, size=(n,))
-    return x, y
+# Logged figures, of the order of one, within FLOAT32's relative part alone.
+RTOL = FLOAT32["rtol"]
 
 
 def _mlp(cls=keras.Model, seed=0, regularized=True, **kwargs):
@@ -46,13 +38,6 @@ def _fit(model, x, y, batch_size, optimizer=None, epochs=2, **fit_kwargs):
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
     )
     return history.history
-
-
-def _assert_same_weights(a, b, rtol=RTOL, atol=ATOL):
-    wa, wb = a.get_weights(), b.get_weights()
-    assert len(wa) == len(wb)
-    for x, y in zip(wa, wb, strict=True):
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
 def _assert_same_history(a, b, rtol=RTOL):
@@ -100,14 +85,14 @@ class TestInputs:
             _compile_two_headed(model)
         h_plain = plain.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
         h_acc = accumulating.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
-        _assert_same_weights(plain, accumulating)
+        assert_same_weights(plain, accumulating, FLOAT32)
         np.testing.assert_allclose(h_plain["loss"], h_acc["loss"], rtol=RTOL)
         for key in h_plain:
             if "acc" in key or "mae" in key:
                 np.testing.assert_allclose(h_plain[key], h_acc[key], rtol=RTOL, err_msg=key)
 
     def test_tf_data_pipeline(self):
-        x, y = _data()
+        x, y = classification_data(60)
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=5)
         for model in (plain, accumulating):
@@ -117,11 +102,11 @@ class TestInputs:
             )
         plain.fit(dataset, epochs=2, verbose=0)
         accumulating.fit(dataset, epochs=2, verbose=0)
-        _assert_same_weights(plain, accumulating)
+        assert_same_weights(plain, accumulating, FLOAT32)
 
     def test_py_dataset(self):
         base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
-        x, y = _data()
+        x, y = classification_data(60)
 
         class Batches(base):
             def __len__(self):
@@ -137,12 +122,12 @@ class TestInputs:
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
             model.fit(Batches(), epochs=2, verbose=0, shuffle=False)
-        _assert_same_weights(plain, accumulating)
+        assert_same_weights(plain, accumulating, FLOAT32)
 
 
 class TestEvaluatePredict:
     def test_evaluate_and_predict_match_plain_keras(self):
-        x, y = _data(n=50)
+        x, y = classification_data(50)
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=7)
         accumulating.set_weights(plain.get_weights())
         for model in (plain, accumulating):
@@ -158,8 +143,7 @@ class TestEvaluatePredict:
         np.testing.assert_allclose(
             plain.predict(x, batch_size=32, verbose=0),
             accumulating.predict(x, batch_size=32, verbose=0),
-            rtol=RTOL,
-            atol=ATOL,
+            **FLOAT32,
         )
 
     def test_predict_nested_outputs(self):
@@ -170,7 +154,7 @@ class TestEvaluatePredict:
         received = accumulating.predict(x, batch_size=11, verbose=0)
         assert set(received) == {"label", "score"}
         for key in expected:
-            np.testing.assert_allclose(expected[key], received[key], rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(expected[key], received[key], **FLOAT32)
 
 
 class TestBatchNormalization:
@@ -208,7 +192,7 @@ class TestBatchNormalization:
 
 class TestDistribution:
     def test_mirrored_strategy_matches_one_device(self, mirrored_strategy):
-        x, y = _data(n=64)
+        x, y = classification_data(64)
         single = _mlp(AccumulatingModel, micro_batch_size=5)
         h_single = _fit(single, x, y, 32)
         strategy = mirrored_strategy
@@ -216,7 +200,7 @@ class TestDistribution:
             mirrored = _mlp(AccumulatingModel, micro_batch_size=5)
             h_mirrored = _fit(mirrored, x, y, 32)
         # 16 samples per replica, micro-batches 5 + 5 + 5 + 1 on each.
-        _assert_same_weights(single, mirrored, rtol=1e-5, atol=1e-5)
+        assert_same_weights(single, mirrored, FLOAT32)
         _assert_same_history(h_single, h_mirrored, rtol=1e-5)
 
 
@@ -228,7 +212,7 @@ class TestMixedPrecision:
 
     def test_mixed_bfloat16_accumulates_in_float32(self, policy):
         policy("mixed_bfloat16")
-        x, y = _data()
+        x, y = classification_data(60)
         # No regularisers: plain Keras itself fails to add a bfloat16 activity
         # regularisation loss to its float32 loss.
         plain = _mlp(regularized=False)
@@ -237,12 +221,12 @@ class TestMixedPrecision:
         h_acc = _fit(accumulating, x, y, 20)
         assert accumulating.trainable_variables[0].dtype == "float32"
         # bfloat16 activations carry 8 bits of mantissa.
-        _assert_same_weights(plain, accumulating, rtol=2e-2, atol=2e-2)
+        assert_same_weights(plain, accumulating, dict(rtol=2e-2, atol=2e-2))
         np.testing.assert_allclose(h_plain["loss"], h_acc["loss"], rtol=2e-2)
 
     def test_mixed_float16_non_finite_micro_batch_skips_update(self, policy):
         policy("mixed_float16")
-        x, y = _data(n=16)
+        x, y = classification_data(16)
         x_bad = x.copy()
         x_bad[13] = np.inf  # in the last of four micro-batches
         plain = _mlp(regularized=False)
@@ -254,14 +238,13 @@ class TestMixedPrecision:
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
             model.fit(x_bad, y, batch_size=16, epochs=1, verbose=0)
-        for a, b in zip(before, accumulating.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(before, accumulating, IDENTICAL)
         scale = lambda m: float(m.optimizer.dynamic_scale if not LEGACY else m.optimizer.loss_scale)  # noqa: E731
         assert scale(accumulating) == scale(plain) < 32768.0
         # A clean batch then trains as plain Keras does (float16 activations).
         for model in (plain, accumulating):
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        _assert_same_weights(plain, accumulating, rtol=1e-2, atol=1e-3)
+        assert_same_weights(plain, accumulating, dict(rtol=1e-2, atol=1e-3))
         after = accumulating.get_weights()
         assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
@@ -345,7 +328,7 @@ class TestCompilation:
         assert peaks[128] < 0.85 * peaks[512], peaks
 
     def test_jit_compile_compiles_each_micro_batch(self):
-        x, y = _data()
+        x, y = classification_data(60)
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=7)
         plain.compile(
             keras.optimizers.Adam(0.01),
@@ -362,7 +345,7 @@ class TestCompilation:
             assert accumulating.jit_compile is False
         plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         accumulating.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
-        _assert_same_weights(plain, accumulating, rtol=1e-4, atol=1e-5)
+        assert_same_weights(plain, accumulating, dict(rtol=1e-4, atol=1e-5))
 
     def test_jit_compile_with_sparse_gradients(self):
         # `tf.unique`, which sums a sparse gradient's rows, has no XLA kernel:
@@ -388,7 +371,7 @@ class TestCompilation:
 
         accumulating = build(AccumulatingModel, micro_batch_size=7)
         assert accumulating.micro_batch_jit_compile
-        _assert_same_weights(build(keras.Model), accumulating, rtol=1e-4, atol=1e-5)
+        assert_same_weights(build(keras.Model), accumulating, dict(rtol=1e-4, atol=1e-5))
 
     def test_auto_resolves_without_xla_on_cpu(self):
         model = _mlp(AccumulatingModel, micro_batch_size=7)
@@ -416,7 +399,7 @@ class TestWaysIn:
             def call(self, inputs):
                 return self.head(self.hidden(inputs))
 
-        x, y = _data()
+        x, y = classification_data(60)
         keras.utils.set_random_seed(0)
         plain = Plain()
         plain(x[:1])
@@ -426,7 +409,7 @@ class TestWaysIn:
         accumulating.set_weights(plain.get_weights())
         _fit(plain, x, y, 20)
         _fit(accumulating, x, y, 20)
-        _assert_same_weights(plain, accumulating)
+        assert_same_weights(plain, accumulating, FLOAT32)
         assert accumulating.micro_batch_size == 6
 
     def test_unbuilt_subclass_trains_like_plain_keras(self):
@@ -452,11 +435,11 @@ class TestWaysIn:
 
             call = Plain.call
 
-        x, y = _data()
+        x, y = classification_data(60)
         plain, accumulating = Plain(), Accumulating()
         h_plain = _fit(plain, x, y, 20)
         h_acc = _fit(accumulating, x, y, 20)
-        _assert_same_weights(plain, accumulating)
+        assert_same_weights(plain, accumulating, FLOAT32)
         _assert_same_history(h_plain, h_acc)
 
     def test_functional_use_leaves_subclassing_intact(self):
@@ -474,7 +457,7 @@ class TestWaysIn:
         assert model(np.ones((2, 3), "float32")).shape == (2, 1)
 
     def test_from_model_wraps_functional_sequential_and_subclassed(self):
-        x, y = _data()
+        x, y = classification_data(60)
         functional = _mlp()
         sequential = keras.Sequential([keras.Input((6,)), layers.Dense(3)])
 
@@ -527,7 +510,7 @@ class TestSaving:
         assert clone.accumulation_steps == 4 and clone.micro_batch_size is None
 
     def test_keras_file_round_trip(self, tmp_path):
-        x, y = _data()
+        x, y = classification_data(60)
         model = _mlp(AccumulatingModel, micro_batch_size=7)
         _fit(model, x, y, 20, epochs=1)
         path = str(tmp_path / "model.keras")
@@ -540,7 +523,7 @@ class TestSaving:
         _fit_more = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
         model.fit(x, y, **_fit_more)
         loaded.fit(x, y, **_fit_more)
-        _assert_same_weights(model, loaded)
+        assert_same_weights(model, loaded, FLOAT32)
 
     def test_changing_micro_batch_size_retraces_nothing(self):
         traces = []
@@ -550,7 +533,7 @@ class TestSaving:
                 traces.append(1)  # runs once per trace, not per step
                 return super().train_step(data)
 
-        x, y = _data(n=20)
+        x, y = classification_data(20)
         model = _mlp(Counting, micro_batch_size=7)
         _fit(model, x, y, 20, epochs=1)
         traced = len(traces)  # TensorFlow traces twice where variables are made
@@ -561,7 +544,7 @@ class TestSaving:
         _fit(reference, x, y, 20, epochs=1)
         model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
-        _assert_same_weights(reference, model)
+        assert_same_weights(reference, model, FLOAT32)
         assert len(traces) == traced
 
     def test_the_first_step_is_traced_once(self):
@@ -575,7 +558,7 @@ class TestSaving:
                     traces.append(1)  # Python runs once per trace, not per step
                 return inputs
 
-        x, y = _data(n=20)
+        x, y = classification_data(20)
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
         outputs = layers.Dense(3)(TraceCounter()(layers.Dense(8)(inputs)))
@@ -672,7 +655,7 @@ class TestBadInput:
         assert getattr(model, name) == value
 
     def test_micro_batch_size_can_change_mid_fit(self):
-        x, y = _data(n=60)
+        x, y = classification_data(60)
 
         class Halve(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
@@ -697,19 +680,17 @@ class TestBadInput:
         assert model.micro_batch_size == 5
         # One forward for the first batch of 20, then four per batch.
         assert float(counter.forwards.numpy()) == 1 + 4 + 4
-        for a, b in zip(reference.get_weights(), model.layers[-1].get_weights(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+        assert_same_weights(reference, model.layers[-1], FLOAT32)
 
     def test_setter_refuses_and_leaves_model_untouched(self):
-        x, y = _data(n=20)
+        x, y = classification_data(20)
         model = _mlp(AccumulatingModel, micro_batch_size=7)
         _fit(model, x, y, 20, epochs=1)
         function, weights = model.train_function, model.get_weights()
         with pytest.raises(ValueError, match="Received: micro_batch_size=0"):
             model.micro_batch_size = 0
         assert model.micro_batch_size == 7 and model.train_function is function
-        for a, b in zip(weights, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(weights, model, IDENTICAL)
 
     @pytest.mark.parametrize(
         "reduction", ["none"] + ([] if LEGACY else ["mean_with_sample_weight"])
@@ -752,8 +733,7 @@ class TestBadInput:
         with pytest.raises(ValueError, match=r"stateful=False.*Received: stateful=True in layer"):
             model.compile("sgd", "mse")
         assert getattr(model, "optimizer", None) is None  # not compiled
-        for a, b in zip(weights, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(weights, model, IDENTICAL)
 
     def test_what_cannot_be_split_is_refused_naming_it_before_any_update(self):
         model = _mlp(AccumulatingModel, micro_batch_size=4)
@@ -765,6 +745,5 @@ class TestBadInput:
             model.train_step((x, records))
         with pytest.raises(TypeError, match=r"Received: x\['a'\] of type StructuredTensor"):
             model.test_step(({"a": records}, np.zeros(8)))
-        for a, b in zip(weights, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(weights, model, IDENTICAL)
         assert int(model.optimizer.iterations) == 0

@@ -1,0 +1,55 @@
+"""What many test modules share: synthetic data, the weight comparison and its tolerances.
+
+Each tolerance is named for what is compared, and says why it is as wide as it
+is; a test that needs another one writes it out beside its reason. Pass one as
+`np.testing.assert_allclose(received, expected, **FLOAT32)`, to
+`assert_same_weights` or to `assert_same_logs`. Logged figures, of the order of
+one, are often compared with the relative part alone: `dict(rtol=FLOAT64["rtol"])`.
+"""
+
+import numpy as np
+
+# Bit for bit: the weights a refused step left as they were, or two runs that
+# compute the same thing in the same order.
+IDENTICAL = dict(rtol=0, atol=0)
+# The same micro-batches through the same operations, in another process, after
+# a rollback and retry, with segments on other devices or after a save and load:
+# float32 rounding at most, with no relative slack.
+SAME_COMPUTATION = dict(rtol=0, atol=1e-6)
+# float32 sums of the same terms in another order (micro-batches against the
+# whole batch). After several Adam updates, which divide by the root of tiny
+# second moments, weights agree to about 1e-6, rarely 2e-6.
+FLOAT32 = dict(rtol=1e-5, atol=1e-5)
+# float64 (the `float64_keras` fixture), micro-batches against the whole batch:
+# only rounding differs, far under the effect of a bug that float32's could hide.
+FLOAT64 = dict(rtol=1e-10, atol=1e-13)
+
+
+def _arrays(weights):
+    return weights.get_weights() if hasattr(weights, "get_weights") else list(weights)
+
+
+def assert_same_weights(a, b, tolerance):
+    """Asserts that `a` and `b` (models, layers or lists of arrays) hold the same
+    weights within `tolerance` (one of the names above, or a dict of `rtol` and
+    `atol`), as `np.testing.assert_allclose(a[i], b[i])`: `rtol` is of `b`'s values."""
+    a, b = _arrays(a), _arrays(b)
+    assert len(a) == len(b), f"{len(a)} weights against {len(b)}"
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        np.testing.assert_allclose(x, y, **tolerance, err_msg=f"weight {index}")
+
+
+def assert_same_logs(received, expected, tolerance):
+    """Asserts that every figure of `expected` (a `History.history`, or what
+    `evaluate(..., return_dict=True)` returns) is in `received`, and close."""
+    assert set(expected) <= set(received), f"{sorted(expected)} not all in {sorted(received)}"
+    for key, value in expected.items():
+        np.testing.assert_allclose(received[key], value, **tolerance, err_msg=key)
+
+
+def classification_data(n, features=6, classes=3, seed=0, dtype="float32"):
+    """`n` samples of standard normal features and uniform integer labels."""
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, features)).astype(dtype)
+    y = rng.randint(0, classes, size=(n,))
+    return x, y
