@@ -78,11 +78,13 @@ CONFIGS = (
 # The small check's configurations beyond its first run (the MLP in float32).
 SMALL_CONFIGS = (("accumulating", 4, False), ("plain", 1, False))
 # Per scale: seconds each part may take at most.
+# (The first part, which finds the devices and so the scale, may take PROBE_SECONDS.)
 LIMITS = {
-    "gpu": dict(probe=40, memory=45, oom=75, logical=45),
-    "cpu": dict(probe=60, memory=240, oom=60, logical=60),
-    "small": dict(probe=60, memory=120, oom=60, logical=60),
+    "gpu": dict(memory=45, oom=75, logical=45),
+    "cpu": dict(memory=240, oom=75, logical=45),
+    "small": dict(memory=120, oom=75, logical=45),
 }
+PROBE_SECONDS = 40
 GPU_LIMIT_MIB = 12 * 1024  # configure_devices' limit in the OOM and logical-device parts
 LOGICAL_LIMIT_MIB = 8 * 1024
 MIB = 2**20
@@ -449,7 +451,7 @@ def check(args):
     clock = Clock(args.budget)
     found = None
     if not args.small:
-        probe = run_part("probe", {}, 60, clock, "TensorFlow's devices")
+        probe = run_part("probe", {}, PROBE_SECONDS, clock, "TensorFlow's devices")
         found = probe.get("facts")
     scale = "small" if args.small else ("gpu" if found and found["gpus"] else "cpu")
     limits = LIMITS[scale]
