@@ -35,6 +35,7 @@ import sys
 import time
 
 import _common
+from _gpu_parts import SCALES, build, compiled, host_data, logical_worker, oom_worker
 from _gpu_report import logger_row, logical_row, memory_rows, oom_row, table, why_failed
 
 _common.use_allocator_env()  # a CPU's real allocator figures; before TensorFlow starts
@@ -44,26 +45,6 @@ _common.use_allocator_env()  # a CPU's real allocator figures; before TensorFlow
 os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(4 * 2**30))
 
 DTYPES = ("float32", "mixed_float16")
-# Per scale: (builder arguments, effective batch) of each model. "gpu": GiBs of
-# activations and steps of tens of milliseconds on an H200; "cpu": a few
-# seconds a configuration on 2 cores; "small": the test's.
-SCALES = {
-    "gpu": dict(
-        mlp=(dict(features=1024, depth=8, width=4096), 8192),
-        cnn=(dict(layout=[64, 64, "pool", 128, 128, "pool", 256, 256]), 512),
-        transformer=(dict(length=512, blocks=2, width=512, heads=8), 64),
-    ),
-    "cpu": dict(
-        mlp=(dict(features=256, depth=6, width=512), 2048),
-        cnn=(dict(layout=[16, 16, "pool", 32, 32, "pool"]), 128),
-        transformer=(dict(length=64, blocks=2, width=64, heads=4), 64),
-    ),
-    "small": dict(
-        mlp=(dict(features=32, depth=3, width=64), 256),
-        cnn=(dict(layout=[8, "pool", 16]), 32),
-        transformer=(dict(length=16, blocks=1, width=32, heads=2, vocabulary=100), 32),
-    ),
-}
 # Steps per configuration: (warm-up, timed).
 STEPS = {"gpu": (2, 6), "cpu": (1, 3), "small": (1, 2)}
 # (kind, 1/split of the batch, remat="auto"), in rising order of expected memory.
@@ -85,9 +66,7 @@ LIMITS = {
     "small": dict(memory=120, oom=75, logical=45),
 }
 PROBE_SECONDS = 40
-GPU_LIMIT_MIB = 12 * 1024  # configure_devices' limit in the OOM and logical-device parts
-LOGICAL_LIMIT_MIB = 8 * 1024
-MIB = 2**20
+REHEARSAL_LIMIT_MIB = 512  # the CPU allocator's, for --rehearse
 
 
 # -- workers: memory and time -----------------------------------------------------------
@@ -103,12 +82,6 @@ def config_label(kind, split, remat, batch):
                                                                 else "")
     return (f"AccumulatingModel, micro-batch {batch // split} (1/{split})"
             + (", remat='auto'" if remat else ""))
-
-
-def build(name, scale):
-    kwargs, _ = SCALES[scale][name]
-    return {"mlp": _common.mlp, "cnn": _common.cnn, "transformer": _common.transformer}[name](
-        **({"padding": "same", **kwargs} if name == "cnn" else kwargs))
 
 
 def start_tensorflow(**settings):
@@ -135,20 +108,6 @@ def facts():
                     f"(compute capability {details.get('compute_capability')})")
     return dict(tensorflow=tf.__version__, keras=keras.__version__, gpus=gpus,
                 python=sys.version.split()[0], package=_common.package_file())
-
-
-def compiled(model, keras):
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), jit_compile=False,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def host_data(model, size, steps, vocabulary=1000):
-    """`steps` batches of `size` (the same one) as a tf.data pipeline from host memory."""
-    import tensorflow as tf
-
-    x, y = _common.synthetic_batch(model, size, vocabulary)
-    return tf.data.Dataset.from_tensors((x.numpy(), y.numpy())).repeat(steps)
 
 
 def peak_window(reader, warm):
@@ -251,151 +210,6 @@ def memory_logger_columns(scale):
     return {k: v[-1] for k, v in history.history.items() if k.startswith("memory_")}
 
 
-# -- workers: the GPU's own parts --------------------------------------------------------
-
-
-def nvml_memory():
-    """NVML's (used, free, total) bytes of TensorFlow's GPU 0."""
-    from keras_memopt.memory import nvml, nvml_handle_of_tf_gpu
-
-    info = nvml().nvmlDeviceGetMemoryInfo(nvml_handle_of_tf_gpu(0))
-    return int(info.used), int(info.free), int(info.total)
-
-
-def fill_device(tf, nbytes, piece):
-    """Tensors on GPU 0 holding about `nbytes`, and the bytes they hold.
-
-    In pieces of at most `piece` bytes: they also fill the holes between what the
-    allocator holds, which one tensor of `nbytes` would need in one piece. Stops at
-    the first piece that does not fit.
-    """
-    pieces, held = [], 0
-    with tf.device("GPU:0"):
-        while nbytes - held >= 4:
-            size = min(piece, nbytes - held) // 4
-            try:
-                pieces.append(tf.zeros([size]))
-            except tf.errors.ResourceExhaustedError:
-                break
-            held += 4 * size
-    return pieces, held
-
-
-def failing_allocation(tf, nbytes):
-    """(seconds, error type, message) of an allocation of `nbytes` that cannot fit."""
-    started = time.perf_counter()
-    try:
-        with tf.device("GPU:0"):
-            tf.zeros([nbytes // MIB, MIB // 4]).numpy()
-    except tf.errors.OpError as error:
-        return time.perf_counter() - started, type(error).__name__, str(error)[:200]
-    return time.perf_counter() - started, None, f"an allocation of {nbytes} bytes succeeded"
-
-
-def oom_worker(task):
-    """One backoff from a real out-of-memory error under `task["allocator"]`."""
-    import tensorflow as tf
-
-    import keras_memopt as kmo
-    from keras_memopt._keras import keras
-
-    if not kmo.configure_devices(memory_limit=GPU_LIMIT_MIB * MIB, allocator=task["allocator"]):
-        return dict(status="skipped: no GPU visible to TensorFlow")
-    allocator = os.environ.get("TF_GPU_ALLOCATOR") or "bfc"
-    whole = SCALES[task["scale"]]["mlp"][1]
-    keras.utils.set_random_seed(0)
-    model = compiled(kmo.AccumulatingModel(*build("mlp", task["scale"]),
-                                           micro_batch_size=whole // 2), keras)
-    backoff = kmo.callbacks.OOMBackoff(verbose=0)
-    data = host_data(model, whole, 3)
-    model.fit(data, verbose=0, callbacks=[backoff])  # traces at the half
-    peaks, high = {}, tf.config.experimental.get_memory_info("GPU:0")["peak"]
-    for size in (whole // 2, whole):
-        model.micro_batch_size = size
-        tf.config.experimental.reset_memory_stats("GPU:0")
-        resident = tf.config.experimental.get_memory_info("GPU:0")["current"]
-        model.fit(data, verbose=0, callbacks=[backoff])
-        info = tf.config.experimental.get_memory_info("GPU:0")
-        peaks[size], high = info["peak"] - resident, max(high, info["peak"])
-    current = tf.config.experimental.get_memory_info("GPU:0")["current"]
-    used, free, total = nvml_memory()
-    # What the allocator could still hand out: BFC up to its limit; the async
-    # pool what the device has free plus what its pool keeps (its high-water mark).
-    available = GPU_LIMIT_MIB * MIB - current if allocator == "bfc" else free + high - current
-    headroom = (peaks[whole] + peaks[whole // 2]) // 2
-    ballast, ballast_bytes = fill_device(tf, max(available - headroom, 0),
-                                         piece=max(min(16 * MIB, headroom // 8), 4096))
-    model.micro_batch_size = whole
-    timer = _common.step_timer()
-    started = time.perf_counter()
-    model.fit(data, verbose=0, callbacks=[timer, backoff])
-    epoch = time.perf_counter() - started
-    wait = failing_allocation(tf, total + 2**30)
-    del ballast
-    keys = ("failed_micro_batch_size", "micro_batch_size", "failed_step_seconds",
-            "recovery_seconds")
-    return dict(
-        status="ok", allocator=allocator, peak_mib=peaks[whole] / MIB,
-        peak_half_mib=peaks[whole // 2] / MIB, ballast_mib=ballast_bytes / MIB,
-        nvml_used_mib=used / MIB, tf_current_mib=current / MIB,
-        backoffs=[{k: event.get(k) for k in keys} for event in backoff.backoffs],
-        final_micro_batch_size=model.micro_batch_size, steps=timer.seconds, epoch_s=epoch,
-        failing_allocation=dict(zip(("seconds", "error", "message"), wait, strict=True)),
-    )
-
-
-def logical_worker(task):
-    """Two AccumulatingModels on two logical GPUs of one GPU, trained in two threads."""
-    import threading
-
-    import tensorflow as tf
-
-    import keras_memopt as kmo
-    from keras_memopt._keras import keras
-
-    if not kmo.configure_devices(memory_limit=LOGICAL_LIMIT_MIB * MIB, logical_devices=2,
-                                 gpus=[0], allocator="bfc"):
-        return dict(status="skipped: no GPU visible to TensorFlow")
-    devices = [d.name for d in tf.config.list_logical_devices("GPU")][:2]
-    batch = SCALES[task["scale"]]["mlp"][1] // 2
-    runs, models = [{} for _ in devices], []
-    for device in devices:
-        with tf.device(device):
-            models.append(compiled(kmo.AccumulatingModel(
-                *build("mlp", task["scale"]), micro_batch_size=batch // 4), keras))
-
-    def train(index):
-        try:
-            timer = _common.step_timer()
-            with tf.device(devices[index]):
-                models[index].fit(host_data(models[index], batch, 6), verbose=0,
-                                  callbacks=[timer])
-            runs[index].update(steps=len(timer.seconds), step_s=statistics.median(timer.seconds))
-        except Exception as error:  # noqa: BLE001 - reported in the table, not raised
-            runs[index]["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-
-    for device in devices:
-        tf.config.experimental.reset_memory_stats(device)
-    started = time.perf_counter()
-    threads = [threading.Thread(target=train, args=(i,)) for i in range(len(devices))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for run, device, model in zip(runs, devices, models, strict=True):
-        run.update(device=device, weights_on=variable_device(model.weights[0]),
-                   limit_mib=(kmo.memory.device_total(device) or 0) / MIB,
-                   peak_mib=tf.config.experimental.get_memory_info(device)["peak"] / MIB)
-    return dict(status="ok", runs=runs, wall_s=time.perf_counter() - started,
-                nvml_used_mib=nvml_memory()[0] / MIB)
-
-
-def variable_device(variable):
-    """Where a Keras 3 variable (its `value`, a `tf.Variable`) or a tf_keras one lives."""
-    value = getattr(variable, "value", None)
-    return (variable if value is None or callable(value) else value).device
-
-
 def probe_worker(task):
     import tensorflow  # noqa: F401 - the versions and devices of facts()
 
@@ -423,7 +237,7 @@ class Clock:
         return min(seconds, self.deadline - time.monotonic())
 
 
-def run_part(kind, task, limit, clock, what):
+def run_part(kind, task, limit, clock, what, limit_mb=None):
     """`kind`'s worker on `task` in a fresh process; its result, or a status saying why not."""
     seconds = clock.limit(limit)
     if seconds < min(limit, 10):
@@ -434,7 +248,7 @@ def run_part(kind, task, limit, clock, what):
           file=sys.stderr, flush=True)
     module = _common.subprocess_module()
     started = time.monotonic()
-    worker = _common.start_worker(__file__, {"kind": kind, **task})
+    worker = _common.start_worker(__file__, {"kind": kind, **task}, limit_mb=limit_mb)
     try:
         result = module.result_of(module.wait_all([worker], seconds)[0], worker.name)
     except module.ChildFailed as error:
@@ -444,6 +258,25 @@ def run_part(kind, task, limit, clock, what):
     print(f"[{clock.elapsed():4.0f} s] {what}: {result['status'].split(':')[0]} in "
           f"{result['seconds']:.0f} s", file=sys.stderr, flush=True)
     return result
+
+
+def gpu_parts(clock, limits, rehearse=False):
+    """The rows of the GPU's own parts, at the GPU's sizes even in the small check (at
+    tiny ones the allocator's rounding would decide where memory runs out); rehearsed
+    on the CPU's allocator (see `_gpu_parts`) at the CPU's."""
+    task = dict(scale="cpu", rehearse=True) if rehearse else dict(scale="gpu")
+    limit_mb = REHEARSAL_LIMIT_MIB if rehearse else None
+    rows = []
+    for allocator in ("bfc", "cuda_malloc_async"):
+        result = run_part("oom", dict(task, allocator=allocator), limits["oom"], clock,
+                          f"out-of-memory backoff, {allocator}", limit_mb)
+        rows.append(oom_row(result, allocator))
+    result = run_part("logical", task, limits["logical"], clock, "two logical GPUs", limit_mb)
+    rows.append(logical_row(result))
+    for row in rows if rehearse else ():
+        row["note"] = "; ".join(filter(None, ("rehearsed on the CPU: its figures mean nothing",
+                                               row.get("note"))))
+    return rows
 
 
 def check(args):
@@ -462,7 +295,7 @@ def check(args):
                 if name == "mlp" or dtype == "float32"]
     # One process for all of the small check (start-up dominates there); else one each.
     groups = [runs] if scale == "small" else [[run] for run in runs]
-    rows, logger, gpu_parts = [], None, []
+    rows, logger, gpu_rows = [], None, []
     for index, group in enumerate(groups):
         task = dict(scale=scale, runs=group, logger=index == 0)
         what = "memory and time: " + ", ".join(f"{m} {d}" for m, d, _ in group)
@@ -470,25 +303,16 @@ def check(args):
         found = found or result.get("facts")
         rows += memory_rows(result, group)
         logger = result.get("logger") if index == 0 else logger
-        if index == 0 and found and found["gpus"]:
-            # The GPU's own parts next, so that each claim is measured within the budget;
-            # at the GPU's sizes even in the small check (at tiny ones, the allocator's
-            # rounding would decide where memory runs out).
-            for allocator in ("bfc", "cuda_malloc_async"):
-                oom = run_part("oom", dict(scale="gpu", allocator=allocator), limits["oom"],
-                               clock, f"out-of-memory backoff, {allocator}")
-                gpu_parts.append(oom_row(oom, allocator))
-            logical = run_part("logical", dict(scale="gpu"), limits["logical"], clock,
-                               "two logical GPUs")
-            gpu_parts.append(logical_row(logical))
+        if index == 0 and found and (found["gpus"] or args.rehearse):
+            gpu_rows = gpu_parts(clock, limits, rehearse=not found["gpus"])
     gpu = bool(found and found["gpus"])
-    if not gpu:
+    if not gpu and not gpu_rows:
         why = "no GPU visible to TensorFlow" if found else "TensorFlow's devices unknown"
         skipped = dict(status=f"skipped: {why}", model="mlp", dtype="float32")
-        gpu_parts = [dict(part="oom_backoff", config=a, **skipped)
-                     for a in ("bfc", "cuda_malloc_async")]
-        gpu_parts.append(dict(part="logical_devices", config="2 x GPU:0", **skipped))
-    rows += gpu_parts + [logger_row(logger, gpu)]
+        gpu_rows = [dict(part="oom_backoff", config=a, **skipped)
+                    for a in ("bfc", "cuda_malloc_async")]
+        gpu_rows.append(dict(part="logical_devices", config="2 x GPU:0", **skipped))
+    rows += gpu_rows + [logger_row(logger, gpu)]
     return found, scale, rows, clock.elapsed()
 
 
@@ -498,6 +322,9 @@ def main(argv=None):
                         help="tiny models and a few steps, all in one process (the test's)")
     parser.add_argument("--json", default="gpu_check.json",
                         help="where to write the rows (default gpu_check.json)")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="without a GPU, run the GPU's parts on the CPU's allocator, to "
+                        "check the script (their figures mean nothing there)")
     parser.add_argument("--budget", type=float, default=450.0,
                         help="seconds after which no part starts (default 450)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
