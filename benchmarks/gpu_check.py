@@ -22,6 +22,7 @@ seconds (default 450), so that a run stays under 8 minutes.
 
 Run: python benchmarks/gpu_check.py --json gpu_check.json   (GPU: at most 8 min)
      python benchmarks/gpu_check.py --small   (tiny models, a few steps: the test's)
+     python benchmarks/gpu_check.py --small --rehearse   (the GPU's parts on a CPU)
 """
 
 from __future__ import annotations
