@@ -156,7 +156,8 @@ def run_sample(directory, stop_at_first, timeout, keyword):
                "tests/test_fuzz.py", "-k", keyword]
     if stop_at_first:
         command.append("-x")
-    env = dict(os.environ, PYTHONPATH=directory + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=directory + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               COLUMNS="1000")  # pytest's summary lines whole, not cut at 80 columns
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True,
@@ -173,7 +174,9 @@ def run_sample(directory, stop_at_first, timeout, keyword):
         for test, message in failed:
             seed = re.search(r"\[(\w+)\]", test)
             message = (message or "").strip()
-            kind = "raised" if " raised " in message or "Error" in message[:40] else "mismatch"
+            kind = "mismatch" if message.startswith("AssertionError: FAIL") else "raised"
+            kind = "raised" if "| raised" in message else kind
+            kind = "plain Keras raised" if message.startswith("AssertionError: INVALID") else kind
             worst = re.search(r"\| (.*)$", message)
             details.append(f"seed {seed.group(1) if seed else test} ({kind}: "
                            f"{(worst.group(1) if worst else message)[:110]})")
