@@ -137,9 +137,10 @@ def all_targets() -> list:
 def cost(spec) -> float:
     """A rough time of the case, to prefer the cheaper of two that cover as much."""
     slow_family = spec.family in ("recurrent", "tagger", "attention")
+    gated = spec.family in ("recurrent", "tagger") and spec.recurrent != "SimpleRNN"
     bidirectional = spec.recurrent == "BidirectionalGRU" and spec.family in ("recurrent", "tagger")
-    return (1.0 + 2.0 * spec.mirrored + 1.5 * slow_family + 4.0 * spec.jit_compile
-            + 1.0 * bidirectional + 1.0 * spec.refit + 1.0 * spec.reload
+    return (1.0 + 2.0 * spec.mirrored * (1 + slow_family) + 1.5 * slow_family + 1.0 * gated
+            + 4.0 * spec.jit_compile + 1.0 * bidirectional + 1.0 * spec.refit + 1.0 * spec.reload
             + 1.0 * bool(spec.remat) + 0.5 * bool(spec.oom_at)
             + 1.5 * spec.run_eagerly + 0.5 * spec.validation + 1.0 * spec.float8
             + 0.5 * (spec.pruned or spec.quantized) + 0.5 * spec.strings + 0.5 * spec.monitored
