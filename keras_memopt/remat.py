@@ -205,10 +205,11 @@ class RematMixin:
     def remat_choice(self) -> str:
         """What `remat="auto"` chose and why: its estimated step peaks; "" otherwise.
 
-        For example `"a segment every 2 cut points (10 segments, the last
-        not recomputed): estimated activation and gradient peak 20.0 MiB at
-        a micro-batch of 16, against 58.6 MiB without recomputation and 20.0
-        MiB with a segment at every cut point"`. The peaks are estimates
+        For example, 8 `Dense(1024, activation="gelu")` at a micro-batch of
+        256: `"a segment per block (9 segments, the last not recomputed):
+        estimated step peak 42.3 MiB (activations, gradients and their sum)
+        at a micro-batch of 256, against 63.3 MiB without recomputation and
+        42.3 MiB with a segment at every cut point"`. The peaks are estimates
         counted from the traced step (see `keras_memopt._remat.choice`).
         """
         return self._remat_note

@@ -33,7 +33,8 @@ class RematCandidate:
     Attributes:
         description: str, what it is ("none", "a segment every 2 cut points").
         remat: the `remat=` value that gives it: None or the cut layers' names.
-        estimated: int, the estimated activation and gradient peak in bytes.
+        estimated: int, the estimated step peak in bytes: a micro-batch's
+            activations and gradients, and the gradient sum beside them.
         measured: int or None, the measured step peak in bytes (parameters,
             optimizer slots, gradients, the batch and activations), or None
             where it ran out of memory.
