@@ -14,8 +14,10 @@ blocks built from layers (MultiHeadAttention with 4 heads, a GELU
 feed-forward of 512), 64 tokens; `transformer_layer`, the memory floor's
 (benchmarks/memory_floor.py): 2 blocks, each one custom `Layer`; `mlp`, 8
 Dense(1024, relu) blocks on 1024 features; `mlp_floor`, the memory floor's 4
-Dense(1024) on 256 features; `cnn`, the memory floor's 4 blocks of Conv2D (3x3,
-same, no bias), BatchNormalization and ReLU on 32x32x3 images.
+Dense(1024) on 256 features; `gelu_stack`, `silu_stack` and `relu_stack`, 8
+Dense(1024) blocks with that activation on 256 features (a transformer's
+feed-forward half, issue 55); `cnn`, the memory floor's 4 blocks of Conv2D
+(3x3, same, no bias), BatchNormalization and ReLU on 32x32x3 images.
 
 Memory: each configuration trains in a fresh worker process on TensorFlow's
 BFC CPU allocator; the figure is the step peak, the allocator's peak during
@@ -52,6 +54,9 @@ FAMILIES = {
     "transformer_layer": (8, 32),
     "mlp": (16, 128),
     "mlp_floor": (64, 512),
+    "gelu_stack": (64, 256),
+    "silu_stack": (256,),
+    "relu_stack": (256,),
     "cnn": (16, 64),
 }
 FORMS = ("none", "per block", "auto")
@@ -87,9 +92,10 @@ def family(name):
         block = _common.transformer_block_class()
         blocks = [lambda x, block=block: block(128)(x)] * 2
         return keras.Input((64,), dtype="int32"), blocks, _pooled_head(1), 128
-    if name in ("mlp", "mlp_floor"):
-        depth, features = (8, 1024) if name == "mlp" else (4, 256)
-        blocks = [lambda x: layers.Dense(1024, activation="relu")(x)] * depth
+    if name in ("mlp", "mlp_floor") or name.endswith("_stack"):
+        depth, features = (4, 256) if name == "mlp_floor" else (8, 1024 if name == "mlp" else 256)
+        activation = name[:-len("_stack")] if name.endswith("_stack") else "relu"
+        blocks = [lambda x: layers.Dense(1024, activation=activation)(x)] * depth
         return keras.Input((features,)), blocks, lambda x: layers.Dense(10)(x), None
     blocks = [lambda x, f=f: _conv_block(x, f) for f in (32, 32, 64, 64)]
     return keras.Input((32, 32, 3)), blocks, _pooled_head(2), None
@@ -153,9 +159,33 @@ def memory_worker(task):
         start = tf.config.experimental.get_memory_info("CPU:0")["current"]
         model.train_on_batch(x, y)
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - start)
+    choice = getattr(model, "remat_choice", "-")  # older checkouts have none
     return dict(task, keras="tf_keras" if LEGACY else "keras3", peaks=peaks,
-                segments=len(model.recomputed_segments),
-                choice=getattr(model, "remat_choice", "-"))  # older checkouts have none
+                segments=len(model.recomputed_segments), choice=choice,
+                estimate=_estimate(task, choice))
+
+
+def _estimate(task, choice):
+    """What `remat="auto"` estimates for `task`'s form (bytes), or None where
+    it has no such candidate (or this checkout no estimate)."""
+    import warnings
+
+    try:
+        from keras_memopt._remat.choice import PER_BLOCK
+        from keras_memopt._remat.segments import estimated_candidates
+    except ImportError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inline = build(task["family"], "none", task["micro"])
+    for name, _, peak in estimated_candidates(inline, task["micro"]):
+        if task["form"] == "none" and name == "none":
+            return peak
+        if task["form"] == "per block" and name == PER_BLOCK:
+            return peak
+        if task["form"] == "auto" and choice.startswith((f"{name} (", f"{name}:")):
+            return peak
+    return None
 
 
 def time_worker(task):
@@ -189,9 +219,10 @@ def worker(task):
 
 def table(memory, times):
     """Markdown: per family and micro-batch, each form's lowest step peak, spread and time."""
-    lowest, highest, notes = {}, {}, {}
+    lowest, highest, notes, estimates = {}, {}, {}, {}
     for answer in memory:
         key = (answer["family"], answer["micro"], answer["form"])
+        estimates[key] = answer.get("estimate")
         lowest[key] = min(lowest.get(key, min(answer["peaks"])), min(answer["peaks"]))
         highest[key] = max(highest.get(key, max(answer["peaks"])), max(answer["peaks"]))
         if answer["form"] == "auto":
@@ -200,8 +231,9 @@ def table(memory, times):
              for t in times for form in FORMS}
     lines = [
         "| family | micro-batch | none MiB (spread) | per block MiB (spread) | auto MiB (spread) "
-        "| auto ÷ lower of the two | time: per block | time: auto |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| auto ÷ lower of the two | estimate ÷ measured: none, per block, auto "
+        "| time: per block | time: auto |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, micro in sorted({key[:2] for key in lowest}):
         mib, low = 2**20, {f: lowest.get((name, micro, f)) for f in FORMS}
@@ -210,9 +242,14 @@ def table(memory, times):
         versus = "-"
         if low["auto"] and low["none"] and low["per block"]:
             versus = f"{low['auto'] / min(low['none'], low['per block']):.2f}"
+        accuracy = ", ".join(
+            f"{estimates[(name, micro, f)] / low[f]:.2f}"
+            if low[f] and estimates.get((name, micro, f)) else "-" for f in FORMS
+        )
         times_cells = [f"{ratio[(name, micro, f)]:.2f}" if (name, micro, f) in ratio else "-"
                        for f in ("per block", "auto")]
-        lines.append(f"| {name} | {micro} | " + " | ".join([*cells, versus, *times_cells]) + " |")
+        row = [*cells, versus, accuracy, *times_cells]
+        lines.append(f"| {name} | {micro} | " + " | ".join(row) + " |")
     lines.append("")
     for (name, micro), (segments, choice) in sorted(notes.items()):
         lines.append(f"- {name}, micro-batch {micro}: {segments} recomputed segment(s); {choice}")
