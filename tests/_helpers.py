@@ -1,4 +1,5 @@
-"""What many test modules share: synthetic data, the weight comparison and its tolerances.
+"""What many test modules share: synthetic data, how a classifier is compiled, and the
+weight and log comparisons with their tolerances.
 
 Each tolerance is named for what is compared, and says why it is as wide as it
 is; a test that needs another one writes it out beside its reason. Pass one as
@@ -8,6 +9,8 @@ one, are often compared with the relative part alone: `dict(rtol=FLOAT64["rtol"]
 """
 
 import numpy as np
+
+from keras_memopt._keras import keras
 
 # Bit for bit: the weights a refused step left as they were, or two runs that
 # compute the same thing in the same order.
@@ -27,6 +30,19 @@ FLOAT64 = dict(rtol=1e-10, atol=1e-13)
 
 def _arrays(weights):
     return weights.get_weights() if hasattr(weights, "get_weights") else list(weights)
+
+
+def compile_classifier(model, optimizer=None, **kwargs):
+    """Compiles `model`, whose outputs are logits over classes, as most tests train
+    one: `optimizer` (defaults to `Adam(0.01)`) and sparse categorical cross-entropy
+    from logits; `kwargs` go to `compile` (`metrics=["accuracy"]`, `jit_compile`, ...).
+    Returns `model`."""
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01) if optimizer is None else optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **kwargs,
+    )
+    return model
 
 
 def assert_same_weights(a, b, tolerance):
@@ -52,4 +68,12 @@ def classification_data(n, features=6, classes=3, seed=0, dtype="float32"):
     rng = np.random.RandomState(seed)
     x = rng.normal(size=(n, features)).astype(dtype)
     y = rng.randint(0, classes, size=(n,))
+    return x, y
+
+
+def regression_data(n, features, outputs, seed=0, dtype="float32"):
+    """`n` samples of standard normal features and standard normal targets."""
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, features)).astype(dtype)
+    y = rng.normal(size=(n, outputs)).astype(dtype)
     return x, y

@@ -1,7 +1,12 @@
 """keras_memopt.callbacks.BackupAndRestore: resumed training ends as if never stopped."""
 
-import numpy as np
 import pytest
+from _helpers import (
+    SAME_COMPUTATION,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel
@@ -25,9 +30,7 @@ def _model():
         hidden = keras.layers.Dropout(0.3, seed=1)(hidden)
     hidden = keras.layers.BatchNormalization()(hidden)
     model = AccumulatingModel(inputs, keras.layers.Dense(3)(hidden), micro_batch_size=8)
-    model.compile(keras.optimizers.Adam(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return compile_classifier(model)
 
 
 @pytest.mark.parametrize(
@@ -45,8 +48,7 @@ def _model():
     ],
 )
 def test_resumed_training_ends_with_the_weights_of_training_never_stopped(tmp_path, save_freq):
-    rng = np.random.RandomState(0)
-    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.randint(0, 3, 64)
+    x, y = classification_data(64)
     fit = dict(batch_size=16, epochs=4, shuffle=False, verbose=0)
     uninterrupted = _model()
     uninterrupted.fit(x, y, **fit)
@@ -58,8 +60,7 @@ def test_resumed_training_ends_with_the_weights_of_training_never_stopped(tmp_pa
     resumed = _model()  # a new process would build the model anew
     resumed.fit(x, y, callbacks=[BackupAndRestore(str(tmp_path / "backup"), save_freq=save_freq)],
                 **fit)
-    for a, b in zip(uninterrupted.get_weights(), resumed.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    assert_same_weights(resumed, uninterrupted, SAME_COMPUTATION)
     if not LEGACY:  # tf_keras keeps the (emptied) directory
         assert not (tmp_path / "backup").exists()  # removed once training ended
 
@@ -86,8 +87,7 @@ class _BatchesSeen(keras.callbacks.Callback):
 
 def test_an_integer_save_freq_resumes_as_the_keras_line_does(tmp_path):
     """Keras 3 replays the interrupted epoch from its first batch; tf_keras does not."""
-    rng = np.random.RandomState(0)
-    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.randint(0, 3, 64)
+    x, y = classification_data(64)
     fit = dict(batch_size=16, epochs=4, shuffle=False, verbose=0)  # 4 batches an epoch
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):

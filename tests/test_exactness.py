@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import FLOAT32, IDENTICAL, assert_same_logs, assert_same_weights
 from _oracles import dense_gradients
 
 from keras_memopt import AccumulatingModel
@@ -25,7 +26,6 @@ layers = keras.layers
 
 # float32 sums of the same terms in another order; Adam divides by the root
 # of small second moments, which brings the weights to about 1e-6 apart.
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 VOCAB, LENGTH = 40, 12
 
 
@@ -390,16 +390,11 @@ def _train(case, cls, run_eagerly=False, **kwargs):
 def assert_same_training(expected, received):
     """Weights, logs and evaluation of two `_train` results agree."""
     (plain, plain_logs, plain_eval), (model, logs, evaluation) = expected, received
-    weights = plain.get_weights()
-    assert len(weights) == len(model.get_weights())
-    for a, b in zip(weights, model.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
+    assert_same_weights(model, plain, FLOAT32)
     assert set(logs) == set(plain_logs)
-    for key in plain_logs:
-        np.testing.assert_allclose(logs[key], plain_logs[key], **TOLERANCE, err_msg=key)
+    assert_same_logs(logs, plain_logs, FLOAT32)
     assert set(evaluation) == set(plain_eval)
-    for key in plain_eval:
-        np.testing.assert_allclose(evaluation[key], plain_eval[key], **TOLERANCE, err_msg=key)
+    assert_same_logs(evaluation, plain_eval, FLOAT32)
     assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
 
 
@@ -490,7 +485,7 @@ def test_a_term_silent_on_the_first_two_samples_is_probed_on_the_next():
         model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
         results.append([evaluation, *model.get_weights()])
     for a, b in zip(*results, strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
+        np.testing.assert_allclose(b, a, **FLOAT32)
 
 
 class TestWhatCannotBeSplit:
@@ -500,8 +495,7 @@ class TestWhatCannotBeSplit:
         weights = [w.copy() for w in model.get_weights()]
         with pytest.raises(ValueError, match=match):
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        for a, b in zip(weights, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(weights, model, IDENTICAL)
         assert int(model.optimizer.iterations) == 0
 
     def test_function_loss_that_sums_over_the_batch(self):

@@ -18,6 +18,7 @@ turns such a difference into a step of a quarter (3.7% on a bias after one SGD s
 import numpy as np
 import pytest
 from _faults import OutOfMemoryOnce
+from _helpers import FLOAT64, assert_same_logs, classification_data, compile_classifier
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import LEGACY, keras
@@ -28,12 +29,6 @@ pytestmark = [
     pytest.mark.usefixtures("float64_keras"),
 ]
 layers = keras.layers
-RTOL = 1e-10
-
-
-def _data():
-    rng = np.random.RandomState(0)
-    return rng.normal(size=(40, 12)), rng.randint(0, 4, 40)
 
 
 def _model(cls, activity_regularizer=None, fault=None, **kwargs):
@@ -48,16 +43,11 @@ def _model(cls, activity_regularizer=None, fault=None, **kwargs):
 def _float8_compiled(model):
     """`model` (built) quantized to float8 and compiled, as every test here trains it."""
     model.quantize("float8")
-    model.compile(
-        keras.optimizers.Adam(0.01),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(model, metrics=["accuracy"])
 
 
 def _fit(model, callbacks=()):
-    x, y = _data()
+    x, y = classification_data(40, features=12, classes=4, dtype="float64")
     history = model.fit(
         x, y, batch_size=20, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks)
     ).history
@@ -70,17 +60,15 @@ def _assert_same_variables(a, b):
     overwritten = [v.path for v in a.trainable_variables if v.overwrite_with_gradient]
     assert len(overwritten) == 12
     for va, vb in zip(a.variables, b.variables, strict=True):
-        np.testing.assert_allclose(np.asarray(vb), np.asarray(va), rtol=RTOL, atol=1e-13,
-                                   err_msg=va.path)
+        np.testing.assert_allclose(np.asarray(vb), np.asarray(va), **FLOAT64, err_msg=va.path)
 
 
 def _assert_same(expected, received):
     (a, logs_a, eval_a), (b, logs_b, eval_b) = expected, received
     _assert_same_variables(a, b)
-    for key in logs_a:
-        np.testing.assert_allclose(logs_b[key], logs_a[key], rtol=RTOL, err_msg=key)
-    for key in eval_a:
-        np.testing.assert_allclose(eval_b[key], eval_a[key], rtol=RTOL, err_msg=key)
+    figures = dict(rtol=FLOAT64["rtol"])
+    assert_same_logs(logs_b, logs_a, figures)
+    assert_same_logs(eval_b, eval_a, figures)
 
 
 @pytest.mark.parametrize("options", [{}, {"whole_batch_loss": True}], ids=["micro", "whole"])
@@ -182,7 +170,7 @@ def test_float8_training_in_remat_matches_plain_keras(passes_training):
 
         keras.utils.set_random_seed(0)
         built = Subclassed(**kwargs)
-        built(_data()[0][:2])
+        built(classification_data(40, features=12, classes=4, dtype="float64")[0][:2])
         return _float8_compiled(built)
 
     plain, recomputed = model(keras.Model, False), model(AccumulatingModel, True,

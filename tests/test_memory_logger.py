@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import IDENTICAL, assert_same_weights
 from conftest import without_gpu
 
 from keras_memopt import AccumulatingModel
@@ -159,8 +160,7 @@ class TestFileSafety:
         with pytest.raises(ValueError, match=rf"folder that exists.*Received: {argument}="):
             _fit(model, [MemoryLogger(**{argument: path})])
         assert int(model.optimizer.iterations.numpy()) == 0
-        for a, b in zip(before, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(before, model, IDENTICAL)
         assert not (tmp_path / "no_such_folder").exists()
 
     def test_a_folder_is_not_a_file(self, keras_module, tmp_path):

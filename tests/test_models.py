@@ -4,7 +4,13 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import FLOAT32, IDENTICAL, assert_same_weights, classification_data
+from _helpers import (
+    FLOAT32,
+    IDENTICAL,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 from _oracles import dense_gradients
 from conftest import LEGACY, last_json, peak_bytes_of_fit, run_python
 
@@ -29,11 +35,7 @@ def _mlp(cls=keras.Model, seed=0, regularized=True, **kwargs):
 
 
 def _fit(model, x, y, batch_size, optimizer=None, epochs=2, **fit_kwargs):
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    compile_classifier(model, optimizer, metrics=["accuracy"])
     history = model.fit(
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
     )
@@ -96,10 +98,7 @@ class TestInputs:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=5)
         for model in (plain, accumulating):
-            model.compile(
-                keras.optimizers.Adam(0.01),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+            compile_classifier(model)
         plain.fit(dataset, epochs=2, verbose=0)
         accumulating.fit(dataset, epochs=2, verbose=0)
         assert_same_weights(plain, accumulating, FLOAT32)
@@ -117,10 +116,7 @@ class TestInputs:
 
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=6)
         for model in (plain, accumulating):
-            model.compile(
-                keras.optimizers.Adam(0.01),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+            compile_classifier(model)
             model.fit(Batches(), epochs=2, verbose=0, shuffle=False)
         assert_same_weights(plain, accumulating, FLOAT32)
 
@@ -233,10 +229,7 @@ class TestMixedPrecision:
         accumulating = _mlp(AccumulatingModel, regularized=False, micro_batch_size=4)
         before = accumulating.get_weights()
         for model in (plain, accumulating):
-            model.compile(
-                keras.optimizers.SGD(0.1),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+            compile_classifier(model, keras.optimizers.SGD(0.1))
             model.fit(x_bad, y, batch_size=16, epochs=1, verbose=0)
         assert_same_weights(before, accumulating, IDENTICAL)
         scale = lambda m: float(m.optimizer.dynamic_scale if not LEGACY else m.optimizer.loss_scale)  # noqa: E731
@@ -330,16 +323,8 @@ class TestCompilation:
     def test_jit_compile_compiles_each_micro_batch(self):
         x, y = classification_data(60)
         plain, accumulating = _mlp(), _mlp(AccumulatingModel, micro_batch_size=7)
-        plain.compile(
-            keras.optimizers.Adam(0.01),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=True,
-        )
-        accumulating.compile(
-            keras.optimizers.Adam(0.01),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=True,
-        )
+        for model in (plain, accumulating):
+            compile_classifier(model, jit_compile=True)
         assert accumulating.micro_batch_jit_compile
         if not LEGACY:
             assert accumulating.jit_compile is False
@@ -361,11 +346,7 @@ class TestCompilation:
             optimizer = keras.optimizers.Adam(0.05)
             if cls is keras.Model:
                 optimizer = dense_gradients(optimizer)
-            model.compile(
-                optimizer,
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=cls is AccumulatingModel,
-            )
+            compile_classifier(model, optimizer, jit_compile=cls is AccumulatingModel)
             model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
             return model
 
@@ -375,7 +356,7 @@ class TestCompilation:
 
     def test_auto_resolves_without_xla_on_cpu(self):
         model = _mlp(AccumulatingModel, micro_batch_size=7)
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        compile_classifier(model, "sgd")
         assert model.micro_batch_jit_compile is False
 
 
@@ -737,7 +718,7 @@ class TestBadInput:
 
     def test_what_cannot_be_split_is_refused_naming_it_before_any_update(self):
         model = _mlp(AccumulatingModel, micro_batch_size=4)
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        compile_classifier(model, "sgd")
         weights = model.get_weights()
         records = tf.experimental.StructuredTensor.from_pyval([{"id": i} for i in range(8)])
         x = np.ones((8, 6), "float32")

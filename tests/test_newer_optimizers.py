@@ -14,6 +14,13 @@ starts at the weights, as the optimizer says.
 
 import numpy as np
 import pytest
+from _helpers import (
+    FLOAT64,
+    assert_same_logs,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 from _oracles import build_first
 
 from keras_memopt import AccumulatingModel
@@ -24,7 +31,6 @@ pytestmark = [
     pytest.mark.usefixtures("float64_keras"),
 ]
 layers = keras.layers
-RTOL = 1e-10
 
 
 def _optimizer(name):
@@ -45,15 +51,10 @@ def _train(name, cls=keras.Model, oracle=False, **kwargs):
     x = layers.Dense(8, activation="tanh", name="trunk")(inputs)
     x = layers.Dense(8, activation="relu", name="hidden")(x)
     model = cls(inputs, layers.Dense(3, name="head")(x), **kwargs)
-    model.compile(
-        _optimizer(name),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    compile_classifier(model, _optimizer(name), metrics=["accuracy"])
     if oracle:
         build_first(model)
-    rng = np.random.RandomState(0)
-    x, y = rng.normal(size=(30, 6)), rng.randint(0, 3, 30)
+    x, y = classification_data(30, dtype="float64")
     history = model.fit(
         x, y, batch_size=12, epochs=3, shuffle=False, verbose=0, validation_data=(x[:9], y[:9])
     ).history
@@ -66,15 +67,12 @@ def _train(name, cls=keras.Model, oracle=False, **kwargs):
 def test_micro_batches_train_as_plain_keras_at_the_whole_batch(name):
     expected = _train(name, oracle=True)
     received = _train(name, AccumulatingModel, micro_batch_size=5)
-    for ours, theirs in zip(expected[:2], received[:2], strict=True):
-        assert len(ours) == len(theirs)
-        for a, b in zip(ours, theirs, strict=True):
-            np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-13)
+    for ours, theirs in zip(expected[:2], received[:2], strict=True):  # weights, optimizer
+        assert_same_weights(theirs, ours, FLOAT64)
     assert received[2].keys() == expected[2].keys()
-    for key, values in expected[2].items():
-        np.testing.assert_allclose(received[2][key], values, rtol=RTOL, err_msg=key)
-    for key, value in expected[3].items():
-        np.testing.assert_allclose(received[3][key], value, rtol=RTOL, err_msg=key)
+    figures = dict(rtol=FLOAT64["rtol"])
+    assert_same_logs(received[2], expected[2], figures)
+    assert_same_logs(received[3], expected[3], figures)
 
 
 def test_schedule_free_momentum_starts_at_the_weights():

@@ -4,7 +4,9 @@ Unit tests of the control flow put a layer in the model that raises an
 out-of-memory error from its own batch (`tests/_faults.py`): the steps before
 it run and change state, so a rollback that misses anything shows. The tests
 marked slow run real out-of-memory errors in a subprocess whose TensorFlow
-CPU allocator has a memory limit.
+CPU allocator has a memory limit. The retried step computes exactly what a run
+started at that micro-batch computes (same ops, same order): results agree
+within `SAME_COMPUTATION`.
 """
 
 import os
@@ -14,6 +16,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove, OutOfMemoryAtSample, OutOfMemoryOnce
+from _helpers import (
+    IDENTICAL,
+    SAME_COMPUTATION,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 from conftest import LEGACY, last_json, run_python
 
 from keras_memopt import AccumulatingModel
@@ -22,17 +31,6 @@ from keras_memopt.callbacks import OOMBackoff
 from keras_memopt.memory import format_bytes
 
 layers = keras.layers
-
-# The retried step computes exactly what a run started at that micro-batch
-# computes (same ops, same order), so results agree to float32 rounding.
-ATOL = 1e-6
-
-
-def _data(n=96, features=6, classes=3, seed=0):
-    rng = np.random.RandomState(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    y = rng.randint(0, classes, size=(n,))
-    return x, y
 
 
 class GlobalNoise(layers.Layer):
@@ -68,13 +66,7 @@ def _model(micro_batch_size=None, limit=None, batch_norm=False, dropout=False, n
     hidden = OutOfMemoryAbove(limit, name="device")(hidden)
     outputs = layers.Dense(3)(hidden)
     model = AccumulatingModel(inputs, outputs, micro_batch_size=micro_batch_size)
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        **kwargs,
-    )
-    return model
+    return compile_classifier(model, optimizer, metrics=["accuracy"], **kwargs)
 
 
 def _fit(model, x, y, callbacks=(), epochs=1, batch_size=32, **kwargs):
@@ -83,11 +75,6 @@ def _fit(model, x, y, callbacks=(), epochs=1, batch_size=32, **kwargs):
         callbacks=list(callbacks), **kwargs,
     )
     return history.history
-
-
-def _assert_same_weights(a, b, atol=ATOL):
-    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
-        np.testing.assert_allclose(wa, wb, rtol=0, atol=atol)
 
 
 def _values(variables):
@@ -108,7 +95,7 @@ class TestArguments:
             OOMBackoff(min_micro_batch_size=minimum)
 
     def test_plain_keras_model_is_told_what_to_do(self):
-        x, y = _data()
+        x, y = classification_data(96)
         inputs = keras.Input((6,))
         model = keras.Model(inputs, layers.Dense(3)(inputs))
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -117,7 +104,7 @@ class TestArguments:
 
 
 def test_the_progress_bar_shows_the_micro_batch_only_at_the_epochs_end(capsys):
-    x, y = _data()
+    x, y = classification_data(96)
     model = _model(micro_batch_size=32, limit=16)
     model.fit(x, y, batch_size=32, epochs=1, verbose=2, callbacks=[OOMBackoff(verbose=0)])
     line = capsys.readouterr().out.strip().splitlines()[-1]  # verbose=2: one line an epoch
@@ -139,14 +126,14 @@ class _StepLogs(keras.callbacks.Callback):
 
 class TestBackoff:
     def test_oom_keeps_the_training_result(self, capsys):
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size=32, limit=8)
         backoff = OOMBackoff()
         history = _fit(model, x, y, [backoff], epochs=2)
         reference = _model(micro_batch_size=8)
         expected = _fit(reference, x, y, epochs=2)
 
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         for key, values in expected.items():
             np.testing.assert_allclose(history[key], values, rtol=1e-6, err_msg=key)
         assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 6
@@ -160,7 +147,7 @@ class TestBackoff:
         assert "shape [32, 16]" in out
 
     def test_factor_and_minimum_are_used_quietly(self, capsys):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, limit=5)
         backoff = OOMBackoff(factor=0.25, min_micro_batch_size=3, verbose=0)
         _fit(model, x, y, [backoff])
@@ -180,7 +167,7 @@ class TestBackoff:
         agree, and training on from there must give the same weights (a
         random state that was not put back would draw other masks).
         """
-        x, y = _data()
+        x, y = classification_data(96)
         index = np.arange(len(x), dtype="float32")[:, None]
         xi = np.concatenate([x, index], axis=1)
         fault = OutOfMemoryAtSample(None)
@@ -211,8 +198,7 @@ class TestBackoff:
 
         for m in (model, reference):
             m.fit(xi, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(model, reference, IDENTICAL)
 
         report = str(raised.value.message)
         assert "micro_batch_size=16, min_micro_batch_size=16" in report
@@ -222,14 +208,14 @@ class TestBackoff:
             assert advice in report
 
     def test_without_backoff_an_oom_stops_training_as_in_plain_keras(self):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, limit=8)
         with pytest.raises(tf.errors.OpError, match="OOM when allocating"):
             _fit(model, x, y)
         assert model.get_layer("device").raised == 1 and model.micro_batch_size == 32
 
     def test_evaluate_and_predict_back_off(self):
-        x, y = _data()
+        x, y = classification_data(96)
         reference = _model(micro_batch_size=16)
         model = _model(micro_batch_size=32, limit=16)
         expected = reference.evaluate(x, y, batch_size=32, verbose=0)
@@ -242,12 +228,12 @@ class TestBackoff:
         backoff = OOMBackoff()
         predictions = model.predict(x, batch_size=32, verbose=0, callbacks=[backoff])
         np.testing.assert_allclose(
-            predictions, reference.predict(x, batch_size=32, verbose=0), atol=ATOL
+            predictions, reference.predict(x, batch_size=32, verbose=0), **SAME_COMPUTATION
         )
         assert [b["kind"] for b in backoff.backoffs] == ["predict"]
 
     def test_validation_during_fit_backs_off(self):
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size=32, limit=16)
         history = _fit(model, x, y, [OOMBackoff()], validation_data=(x, y))
         reference = _model(micro_batch_size=16)
@@ -279,7 +265,7 @@ class TestBackoff:
             model.compile(keras.optimizers.Adam(0.01), keras.losses.MeanSquaredError())
             return model
 
-        x, y = _data()
+        x, y = classification_data(96)
         y = np.eye(3, dtype="float32")[y]
         backoff = OOMBackoff(verbose=0)
         model = build(32, limit=8)
@@ -287,22 +273,22 @@ class TestBackoff:
         reference = build(8)
         expected = _fit(reference, x, y, epochs=2)
         assert [b["micro_batch_size"] for b in backoff.backoffs] == [16, 8]
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         np.testing.assert_allclose(history["custom_loss"], expected["custom_loss"], rtol=1e-6)
 
     def test_steps_per_execution(self):
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size=32, limit=16, steps_per_execution=2)
         _fit(model, x, y, [OOMBackoff(verbose=0)])
         reference = _model(micro_batch_size=16, steps_per_execution=2)
         _fit(reference, x, y)
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         assert int(model.optimizer.iterations) == 3
 
     def test_micro_batch_size_reaches_csv_logger_listed_after_it(self, tmp_path):
         # As `learning_rate` from ReduceLROnPlateau: the epoch's logs, for the
         # callbacks after it (History is always after the user's callbacks).
-        x, y = _data()
+        x, y = classification_data(96)
         path = tmp_path / "log.csv"
         model = _model(micro_batch_size=32, limit=16)
         callbacks = [OOMBackoff(verbose=0), keras.callbacks.CSVLogger(str(path))]
@@ -312,7 +298,7 @@ class TestBackoff:
         assert [float(row.split(",")[column]) for row in rows] == [16, 16]
 
     def test_the_progress_bar_shows_the_size_at_each_epochs_end_only(self, capsys):
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size=32, limit=16)
         batch_logs = []
         record = keras.callbacks.LambdaCallback(
@@ -326,14 +312,14 @@ class TestBackoff:
         assert batch_logs and not any("micro_batch_size" in logs for logs in batch_logs)
 
     def test_mirrored_strategy(self, mirrored_strategy):
-        x, y = _data(n=64)
+        x, y = classification_data(64)
         with mirrored_strategy.scope():
             model = _model(micro_batch_size=16, limit=4)  # per replica: 16 of the 32 each
             reference = _model(micro_batch_size=4)
         backoff = OOMBackoff(factor=0.25, verbose=0)
         _fit(model, x, y, [backoff])
         _fit(reference, x, y)
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         assert [b["micro_batch_size"] for b in backoff.backoffs] == [4]
         assert int(model.optimizer.iterations.numpy()) == 2
 
@@ -346,7 +332,7 @@ class TestBackoff:
         # update's weights wait for every replica's gradients. Keras 3's Nadam
         # advances its momentum product before that, on the replica alone: it
         # is put back too (retried without it, the result was off by 0.1).
-        x, y = _data(n=64)
+        x, y = classification_data(64)
         fault = OutOfMemoryOnce(at=2, replica=1, delay=1.0)
 
         def optimizer():  # tf_keras's Nadam counts its traces (docs/accumulation.md)
@@ -362,11 +348,11 @@ class TestBackoff:
         assert [(b["phase"], b["micro_batch_size"]) for b in backoff.backoffs] == [
             ("micro_batch", 2)
         ]
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         assert int(model.optimizer.iterations.numpy()) == 2
 
     def test_the_callback_attaches_its_policy_and_puts_back_the_one_before(self):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, limit=8)
         before = OOMBackoff(verbose=0).policy
         model.oom_policy = before
@@ -377,7 +363,7 @@ class TestBackoff:
 
     def test_a_fit_that_raises_leaves_no_policy_behind(self):
         """Keras calls no `on_train_end` when `fit` raises: the model puts its settings back."""
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, limit=8)
         backoff = OOMBackoff(min_micro_batch_size=16, verbose=0)
         with pytest.raises(tf.errors.ResourceExhaustedError, match="smallest micro-batch"):
@@ -392,14 +378,14 @@ class TestBackoff:
         assert model.micro_batch_size == 16 and model.oom_policy is None
 
     def test_accumulation_steps_give_way_to_the_smaller_micro_batch(self):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(limit=8)
         model.accumulation_steps = 2
         _fit(model, x, y, [OOMBackoff(verbose=0)])
         assert model.micro_batch_size == 8 and model.accumulation_steps is None
         reference = _model(micro_batch_size=8)
         _fit(reference, x, y)
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
 
 
 class FailingUpdate(keras.optimizers.SGD):
@@ -430,12 +416,11 @@ class TestPhases:
         inputs = keras.Input((6,))
         hidden = layers.Dense(16, activation="tanh")(inputs)
         model = AccumulatingModel(inputs, layers.Dense(3)(hidden), micro_batch_size=16)
-        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+        return compile_classifier(model, optimizer)
 
     @pytest.mark.skipif(LEGACY, reason="tf_keras's SGD has another update_step")
     def test_an_update_that_runs_out_of_memory_is_put_back_and_reported(self):
-        x, y = _data(n=64)
+        x, y = classification_data(64)
         optimizer = FailingUpdate()
         model = self._model(optimizer)
         optimizer.fail = False
@@ -451,8 +436,7 @@ class TestPhases:
         with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
             _fit(model, x, y, [backoff])
         after = _values(model.variables) + _values(model.optimizer.variables)
-        for a, b in zip(before, after, strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(before, after, IDENTICAL)
         assert backoff.backoffs == []
         assert raised.value.message.startswith(
             "Out of memory in the optimizer update (micro_batch_size=8)"
@@ -464,7 +448,7 @@ class TestPhases:
         """A device that cannot hold the gradient sum beside the state: no halving."""
         from keras_memopt import memory
 
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, limit=4)
         # Less than the model's state alone: nothing more fits.
         monkeypatch.setattr(memory, "device_total", lambda device: 1024)
@@ -479,7 +463,7 @@ class TestPhases:
     def test_one_trial_halving_where_the_device_total_is_unknown(self, monkeypatch):
         from keras_memopt import memory
 
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         # A weight-shaped allocation that fails at every micro-batch size.
         model = _model(micro_batch_size=32, limit=4)
         monkeypatch.setattr(memory, "device_total", lambda device: None)
@@ -496,7 +480,7 @@ class TestPhases:
 
 class TestAuto:
     def test_auto_chooses_the_largest_micro_batch_that_runs(self, capsys):
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size="auto", limit=10)
         assert model.micro_batch_size == "auto"
         _fit(model, x, y)
@@ -504,13 +488,13 @@ class TestAuto:
         _fit(reference, x, y)
         assert model.micro_batch_size == 8
         assert model.micro_batch_search["out_of_memory_trials"] == [32, 16]
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
         assert int(model.optimizer.iterations) == 3
         out = capsys.readouterr().out
         assert 'micro_batch_size="auto": chose micro_batch_size=8' in out
 
     def test_auto_without_oom_keeps_the_whole_batch(self):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size="auto")
         _fit(model, x, y, epochs=1)
         assert model.micro_batch_size == 32
@@ -518,7 +502,7 @@ class TestAuto:
 
     def test_auto_backs_off_at_a_later_step_of_its_run(self, capsys):
         """A size that ran one step is a candidate; the run of ten steps goes on."""
-        x, y = _data()  # three steps an epoch
+        x, y = classification_data(96)  # three steps an epoch
         model = _model(micro_batch_size="auto", limit=10)
         fault = model.get_layer("device")
 
@@ -545,7 +529,7 @@ class TestAuto:
 
         # What the search checks against (the update's own check is left alone).
         monkeypatch.setattr(_auto_search, "device_total", lambda device: 1)
-        x, y = _data()
+        x, y = classification_data(96)
         model = _model(micro_batch_size="auto")
         _fit(model, x, y, [OOMBackoff(min_micro_batch_size=8, verbose=0)], epochs=10)
         search = model.micro_batch_search
@@ -567,7 +551,7 @@ class TestAuto:
 
 class TestXLA:
     def test_jit_compile_true_is_refused(self):
-        x, y = _data(n=32)
+        x, y = classification_data(32)
         model = _model(micro_batch_size=32, jit_compile=True)
         assert model.micro_batch_jit_compile
         with pytest.raises(ValueError, match=r"inside an XLA-compiled step.*jit_compile=False"):
@@ -576,7 +560,7 @@ class TestXLA:
 
     @pytest.mark.skipif(LEGACY, reason='tf_keras has no jit_compile="auto"')
     def test_auto_xla_is_turned_off_while_attached(self, capsys, monkeypatch):
-        x, y = _data()
+        x, y = classification_data(96)
         monkeypatch.setattr(_keras_line(), "resolve_jit_compile", lambda model, jit: True)
         model = _model(micro_batch_size=32, limit=16)  # jit_compile="auto", as on a GPU
         assert model.micro_batch_jit_compile
@@ -586,7 +570,7 @@ class TestXLA:
         assert "without XLA while attached" in capsys.readouterr().out
         reference = _model(micro_batch_size=16, jit_compile=False)
         _fit(reference, x, y)
-        _assert_same_weights(model, reference)
+        assert_same_weights(model, reference, SAME_COMPUTATION)
 
 
 def _keras_line():

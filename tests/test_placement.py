@@ -3,7 +3,8 @@
 The test session splits the CPU into two logical devices, /CPU:0 and /CPU:1
 (see conftest.py): placement is checked on the variables, on the optimizer's
 slots and on the operations of the traced steps, and results against a plain
-`keras.Model` with the same initial weights on one device.
+`keras.Model` with the same initial weights on one device. Placement changes
+where operations run, not which: results agree within `SAME_COMPUTATION`.
 """
 
 import contextlib
@@ -12,6 +13,7 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import SAME_COMPUTATION, assert_same_weights, compile_classifier
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel
@@ -21,10 +23,6 @@ from keras_memopt.placement import _partition
 layers = keras.layers
 DEVICES = ["/CPU:0", "/CPU:1"]
 LAYER_NAMES = ["dense0", "norm0", "dense1", "norm1", "dense2", "norm2", "head"]
-
-# Placement changes where operations run, not which: the same operations on
-# the same values, so results agree to float32 rounding of the micro-batch sums.
-EXACT = dict(rtol=0, atol=1e-6)
 
 
 def _device(variable):
@@ -70,15 +68,6 @@ def _data(n=46, seed=0):
     return rng.rand(n, 16).astype("float32"), rng.randint(0, 3, n)
 
 
-def _compile(model, **kwargs):
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        **kwargs,
-    )
-    return model
-
-
 _REFERENCES = {}
 
 
@@ -92,19 +81,13 @@ def _train_both(model, batch_size=23, epochs=3, **compile_kwargs):
     key = (b"".join(w.tobytes() for w in initial), batch_size, epochs)
     x, y = _data()
     if key not in _REFERENCES:
-        plain = _compile(_graph_layers(keras.Model))
+        plain = compile_classifier(_graph_layers(keras.Model))
         plain.set_weights(initial)
         plain.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
         _REFERENCES[key] = plain.get_weights(), plain.predict(x, verbose=0)
-    _compile(model, **compile_kwargs)
+    compile_classifier(model, **compile_kwargs)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return _REFERENCES[key]
-
-
-def _assert_same_weights(wa, wb):
-    assert len(wa) == len(wb)
-    for x, y in zip(wa, wb, strict=True):
-        np.testing.assert_allclose(x, y, **EXACT)
 
 
 def _layer_devices(model):
@@ -175,7 +158,7 @@ class TestVariables:
         assert all(a is b for a, b in zip(handles, now, strict=True))
 
     def test_optimizer_slots_live_with_their_variables(self):
-        model = _compile(_placed())
+        model = compile_classifier(_placed())
         slots = {v.name if LEGACY else v.path: v for v in optimizer_variables(model.optimizer)}
         for layer in model.layers:
             for weight in layer.trainable_weights:
@@ -195,7 +178,7 @@ class TestOperations:
 
     @pytest.mark.parametrize("remat", [None, ["norm0", "norm2"]], ids=["placed", "with_remat"])
     def test_train_step_runs_each_segment_on_its_device(self, remat):
-        model = _compile(_placed(micro_batch_size=8, remat=remat))
+        model = compile_classifier(_placed(micro_batch_size=8, remat=remat))
         found = _matmuls(model.train_step, self._specs())
         forward = [n for n, _ in found if not n.startswith("gradient")]
         backward = [n for n, _ in found if n.startswith("gradient")]
@@ -206,7 +189,7 @@ class TestOperations:
             assert device == _expected_device(_layer_of(name)), (name, device)
 
     def test_test_and_predict_steps_run_each_segment_on_its_device(self):
-        model = _compile(_placed(micro_batch_size=8))
+        model = compile_classifier(_placed(micro_batch_size=8))
         for step, specs in ((model.test_step, self._specs()), (model.predict_step, self._specs())):
             found = _matmuls(step, specs)
             assert len(found) == 4, found
@@ -214,7 +197,7 @@ class TestOperations:
                 assert device == _expected_device(_layer_of(name)), (name, device)
 
     def test_optimizer_updates_run_on_each_variables_device(self):
-        model = _compile(_placed())
+        model = compile_classifier(_placed())
         graph = tf.function(model.train_step).get_concrete_function(self._specs()).graph
         updates = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
         devices = [tf.DeviceSpec.from_string(op.device).device_index for op in updates]
@@ -240,12 +223,14 @@ class TestTraining:
         run_eagerly = kwargs.pop("run_eagerly", False)
         model = _placed(device_cuts, **kwargs)
         weights, predictions = _train_both(model, run_eagerly=run_eagerly)
-        _assert_same_weights(weights, model.get_weights())
+        assert_same_weights(weights, model, SAME_COMPUTATION)
         assert {_device(w) for w in model.weights} == set(DEVICES)
         if run_eagerly or "remat" in kwargs:
             return  # predict and evaluate run the same segments in every case
         x, y = _data()
-        np.testing.assert_allclose(model.predict(x, batch_size=23, verbose=0), predictions, **EXACT)
+        np.testing.assert_allclose(
+            model.predict(x, batch_size=23, verbose=0), predictions, **SAME_COMPUTATION
+        )
         # The loss of the trained weights, computed here on one device.
         logits = model(x, training=False)
         expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)
@@ -265,9 +250,7 @@ class TestTraining:
                 pooled = layers.GlobalAveragePooling1D(name="pool")(x)
                 outputs = layers.Dense(3, name="head")(pooled)
             model = cls(inputs, outputs, **kwargs)
-            model.compile(keras.optimizers.SGD(0.1),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            return model
+            return compile_classifier(model, keras.optimizers.SGD(0.1))
 
         placed = model(AccumulatingModel, remat="auto", devices=DEVICES, device_cuts=["block1"],
                        micro_batch_size=8)
@@ -282,7 +265,7 @@ class TestTraining:
         x, y = rng.randint(0, 50, (46, 8)), rng.randint(0, 3, 46)
         for trained in (plain, placed):
             trained.fit(x, y, batch_size=23, epochs=2, shuffle=False, verbose=0)
-        _assert_same_weights(plain.get_weights(), placed.get_weights())
+        assert_same_weights(plain, placed, SAME_COMPUTATION)
 
     def test_a_cut_shared_with_remat_is_one_segment_end(self):
         model = _placed(remat=["norm0", "dense1", "norm2"])
@@ -313,7 +296,7 @@ class TestTraining:
 
 class TestSetting:
     def test_config_and_keras_file_round_trip(self, tmp_path):
-        model = _compile(_placed(micro_batch_size=5, remat=["norm0"]))
+        model = compile_classifier(_placed(micro_batch_size=5, remat=["norm0"]))
         config = model.get_config()
         assert config["devices"] == DEVICES and config["device_cuts"] == ["dense1"]
         path = str(tmp_path / "model.keras")
@@ -331,7 +314,7 @@ class TestSetting:
         for layer in loaded.layers:
             for weight in layer.weights:
                 assert _device(weight) == _expected_device(layer.name), weight.name
-        _assert_same_weights(model.get_weights(), loaded.get_weights())
+        assert_same_weights(model, loaded, SAME_COMPUTATION)
 
     def test_without_devices_nothing_is_placed(self):
         model = _graph_layers()
@@ -402,6 +385,6 @@ class TestBadInput:
     def test_xla_is_refused(self):
         model = _placed()
         with pytest.raises(ValueError, match="jit_compile=True.*Received: jit_compile=True"):
-            _compile(model, jit_compile=True)
-        _compile(model, jit_compile="auto")
+            compile_classifier(model, jit_compile=True)
+        compile_classifier(model, jit_compile="auto")
         assert not model.micro_batch_jit_compile

@@ -2,6 +2,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from _helpers import IDENTICAL, assert_same_weights
 from conftest import last_json, run_python
 
 from keras_memopt import AccumulatingModel, _subprocess
@@ -251,8 +252,7 @@ class TestProfile:
             "measured micro-batch 8 of a batch of 8 on CPU",
             "measured micro-batch 32 of a batch of 32 on CPU",
         ]
-        for before, after in zip(weights, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(before, after)
+        assert_same_weights(weights, model, IDENTICAL)
         # At a measured size the calibrated estimate is the measurement (bytes, 1% slack).
         for size, peak in measured.items():
             estimate = planner.estimate(size, size)

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from _helpers import IDENTICAL, assert_same_weights, compile_classifier
 from conftest import LEGACY, run_python
 
 from keras_memopt import AccumulatingModel, pruning
@@ -30,13 +31,6 @@ def _mlp(cls=keras.Model, width=64, **kwargs):
     x = keras.layers.Dense(width, activation="relu", name="hidden")(inputs)
     outputs = keras.layers.Dense(4, name="head")(x)
     return cls(inputs, outputs, **kwargs)
-
-
-def _compile(model):
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
 
 
 def _kernels(model):
@@ -121,14 +115,13 @@ class TestPruning:
             _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
         )
         for m in (plain, model):
-            _compile(m)
+            compile_classifier(m)
             self._fit(m, x, y)
         steps = [int(c) for c in pruning.step_counters(model)]
         assert int(model.optimizer.iterations) == 12
         assert steps == [12, 12]
         assert [int(c) for c in pruning.step_counters(plain)] == steps
-        for expected, actual in zip(plain.get_weights(), model.get_weights(), strict=True):
-            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+        assert_same_weights(model, plain, dict(rtol=1e-5, atol=1e-6))
 
     def test_whole_batch_loss_is_refused_before_any_update(self):
         # Its second forward pass would advance the pruning steps twice.
@@ -137,12 +130,11 @@ class TestPruning:
             _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
         )
         model.whole_batch_loss = True
-        _compile(model)
+        compile_classifier(model)
         before = [w.numpy() for w in model.trainable_weights]
         with pytest.raises(NotImplementedError, match="advance tfmot's pruning steps twice"):
             self._fit(model, x, y, epochs=1)
-        for a, b in zip(before, model.trainable_weights, strict=True):
-            np.testing.assert_array_equal(a, b.numpy())
+        assert_same_weights(before, [w.numpy() for w in model.trainable_weights], IDENTICAL)
         assert int(model.optimizer.iterations) == 0
 
     def test_target_sparsity_reached_and_stripped_model_predicts(self, tmp_path):
@@ -151,7 +143,7 @@ class TestPruning:
             _mlp(AccumulatingModel, accumulation_steps=3), pruning_schedule=self._schedule()
         )
         assert isinstance(model, AccumulatingModel) and model.accumulation_steps == 3
-        _compile(model)
+        compile_classifier(model)
         before = model.evaluate(x, y, batch_size=32, verbose=0)
         self._fit(model, x, y)
         after = model.evaluate(x, y, batch_size=32, verbose=0)
@@ -182,7 +174,7 @@ class TestPruning:
             pruning_schedule=self._schedule(final=0.8),
         )
         for m in (dense, pruned):
-            _compile(m)
+            compile_classifier(m)
             self._fit(m, x, y, epochs=2)
         sizes = {}
         for name, m in (("dense", dense), ("pruned", pruning.strip_pruning(pruned))):
@@ -211,7 +203,7 @@ class TestPruning:
         x, y = _data(n=64)
         model = Pruned()
         model(x[:1])  # tfmot's callback needs the wrapper built before `fit`
-        _compile(model)
+        compile_classifier(model)
         self._fit(model, x, y, epochs=2)
         assert int(model.optimizer.iterations) == 4
         assert [int(c) for c in pruning.step_counters(model)] == [4]
@@ -240,7 +232,7 @@ class TestPruning:
             model = pruning.prune_low_magnitude(
                 _mlp(AccumulatingModel, micro_batch_size=8), pruning_schedule=self._schedule()
             )
-            _compile(model)
+            compile_classifier(model)
         with pytest.raises(NotImplementedError, match="under a distribution strategy"):
             self._fit(model, x, y, epochs=1)
 

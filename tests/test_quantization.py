@@ -8,6 +8,7 @@ import importlib.util
 
 import numpy as np
 import pytest
+from _helpers import IDENTICAL, assert_same_weights, classification_data, compile_classifier
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel, quantization
@@ -26,16 +27,9 @@ def _base(cls=keras.Model, **kwargs):
     return cls(inputs, keras.layers.Dense(3, name="head")(x), **kwargs)
 
 
-def _data(n=48):
-    rng = np.random.RandomState(0)
-    return rng.normal(size=(n, 6)).astype("float32"), rng.randint(0, 3, n)
-
-
 def _train(model, epochs=1):
-    x, y = _data()
-    model.compile(
-        keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    x, y = classification_data(48)
+    compile_classifier(model)
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     return model
 
@@ -75,8 +69,7 @@ class TestQuantizationAwareTraining:
             AccumulatingModel.from_model(self.quantize_model(_base()), micro_batch_size=16),
             epochs=2,
         )
-        for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
-            np.testing.assert_array_equal(b, a)
+        assert_same_weights(model, plain, IDENTICAL)
 
     def test_ranges_advance_once_per_update_from_the_whole_batch(self):
         # Four micro-batches a step, three steps. Advanced once per micro-batch,
@@ -101,9 +94,9 @@ class TestQuantizationAwareTraining:
     def test_the_input_range_is_the_whole_batch_extremes(self):
         # The oracle from the data: the input's quantizer keeps the lowest and highest
         # values seen (from 0), whichever micro-batch held them.
-        x, _ = _data(16)
+        x, _ = classification_data(16)
         model = AccumulatingModel.from_model(self.quantize_model(_base()), micro_batch_size=3)
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        compile_classifier(model, "sgd")
         model.fit(x, np.zeros(16), batch_size=16, epochs=1, verbose=0)
         minimums, maximums = quantization.range_variables(model)
         assert minimums[0].name.startswith("quantize_layer")
@@ -113,11 +106,11 @@ class TestQuantizationAwareTraining:
     def test_whole_batch_loss_and_strategies_are_refused_before_any_update(
         self, mirrored_strategy
     ):
-        x, y = _data(16)
+        x, y = classification_data(16)
         model = AccumulatingModel.from_model(
             self.quantize_model(_base()), micro_batch_size=4, whole_batch_loss=True
         )
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        compile_classifier(model, "sgd")
         ranges = _ranges(model)
         with pytest.raises(NotImplementedError, match="quantization ranges"):
             model.fit(x, y, batch_size=16, verbose=0)
@@ -126,6 +119,6 @@ class TestQuantizationAwareTraining:
             np.testing.assert_array_equal(b, a, err_msg=name)
         with mirrored_strategy.scope():
             model = AccumulatingModel.from_model(self.quantize_model(_base()), micro_batch_size=4)
-            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            compile_classifier(model, "sgd")
         with pytest.raises(NotImplementedError, match="quantization layers.*distribution strategy"):
             model.fit(x, y, batch_size=16, verbose=0)

@@ -3,13 +3,19 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import (
+    FLOAT32,
+    assert_same_logs,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import keras
 from keras_memopt._step import shares as _shares
 
 layers = keras.layers
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
 class Seen(layers.Layer):
@@ -39,21 +45,11 @@ def _build(cls, record=None, **kwargs):
     hidden = inputs if record is None else Seen(record)(inputs)
     hidden = layers.Dense(16, activation="tanh")(hidden)
     model = cls(inputs, layers.Dense(3)(hidden), **kwargs)
-    model.compile(
-        keras.optimizers.Adam(0.01),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
-def _data(n=40):
-    rng = np.random.RandomState(0)
-    return rng.normal(size=(n, 6)).astype("float32"), rng.randint(0, 3, n)
+    return compile_classifier(model, metrics=["accuracy"])
 
 
 def test_uneven_shares_train_as_one_device(mirrored_strategy):
-    x, y = _data()
+    x, y = classification_data(40)
     fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
     one_device = _build(keras.Model)
     expected = one_device.fit(x, y, **fit).history
@@ -63,10 +59,8 @@ def test_uneven_shares_train_as_one_device(mirrored_strategy):
             AccumulatingModel, seen, replica_shares=[3, 1], micro_batch_size=[5, 2]
         )
     received = model.fit(x, y, **fit).history
-    for a, b in zip(one_device.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
-    for key in expected:
-        np.testing.assert_allclose(received[key], expected[key], **TOLERANCE, err_msg=key)
+    assert_same_weights(model, one_device, FLOAT32)
+    assert_same_logs(received, expected, FLOAT32)
     # Batches of 16, 16, 8: replica 0 took 12, 12, 6 samples (micro-batches of
     # at most 5), replica 1 took 4, 4, 2 (micro-batches of at most 2).
     by_replica = {0: [], 1: []}
@@ -77,7 +71,7 @@ def test_uneven_shares_train_as_one_device(mirrored_strategy):
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=16, verbose=0),
         one_device.evaluate(x, y, batch_size=16, verbose=0),
-        **TOLERANCE,
+        **FLOAT32,
     )
 
 
@@ -126,7 +120,7 @@ def test_after_another_model_under_a_strategy_without_collective_keys():
     """docs/distributed.md, "One strategy per process": a second MirroredStrategy
     that reduces on one device hands out no collective keys to clash with the
     first's, so uneven shares train after another model (of other shapes)."""
-    x, y = _data()
+    x, y = classification_data(40)
     fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
     strategy = tf.distribute.MirroredStrategy(
         ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
@@ -140,5 +134,4 @@ def test_after_another_model_under_a_strategy_without_collective_keys():
     one_device = _build(keras.Model)
     one_device.fit(x, y, **fit)
     model.fit(x, y, **fit)
-    for a, b in zip(one_device.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
+    assert_same_weights(model, one_device, FLOAT32)

@@ -14,6 +14,14 @@ import warnings
 import numpy as np
 import pytest
 from _faults import OutOfMemoryInBackward
+from _helpers import (
+    FLOAT64,
+    IDENTICAL,
+    assert_same_logs,
+    assert_same_weights,
+    classification_data,
+    compile_classifier,
+)
 
 from keras_memopt import AccumulatingModel, Remat
 from keras_memopt._keras import LEGACY, keras
@@ -36,13 +44,8 @@ def _model(cls=keras.Model, fault=None, **kwargs):
 
 
 def _fit(model, callbacks=()):
-    rng = np.random.RandomState(0)
-    x, y = rng.normal(size=(22, 6)), rng.randint(0, 3, 22)
-    model.compile(
-        keras.optimizers.Adam(0.01),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    x, y = classification_data(22, dtype="float64")
+    compile_classifier(model, metrics=["accuracy"])
     history = model.fit(
         x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks)
     ).history
@@ -51,12 +54,9 @@ def _fit(model, callbacks=()):
 
 def _assert_same(expected, received):
     (weights, history), (their_weights, their_history) = expected, received
-    assert len(weights) == len(their_weights)
-    for mine, theirs in zip(weights, their_weights, strict=True):
-        np.testing.assert_allclose(theirs, mine, rtol=1e-10, atol=1e-13)
-    assert history.keys() <= their_history.keys()  # OOMBackoff logs its micro-batch size
-    for key in history:
-        np.testing.assert_allclose(their_history[key], history[key], rtol=1e-10)
+    assert_same_weights(their_weights, weights, FLOAT64)
+    # OOMBackoff logs its micro-batch size: the figures of `history` are among theirs.
+    assert_same_logs(their_history, history, dict(rtol=FLOAT64["rtol"]))
 
 
 @pytest.mark.parametrize("split", [{"micro_batch_size": 3}, {"accumulation_steps": 2}])
@@ -140,5 +140,4 @@ def test_whole_batch_loss_is_refused_before_any_update():
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(NotImplementedError, match="SpectralNormalization"):
         _fit(model)
-    for old, new in zip(before, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(old, new)
+    assert_same_weights(before, model, IDENTICAL)

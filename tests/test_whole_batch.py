@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove
+from _helpers import FLOAT32, IDENTICAL, assert_same_logs, assert_same_weights
 from conftest import LEGACY, last_json, run_python
 from test_exactness import CASES, _train, assert_same_training
 
@@ -21,7 +22,6 @@ from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 
 layers = keras.layers
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 WIDTH = 8
 
 
@@ -66,15 +66,11 @@ def _fit(model, loss=clip_loss, metrics=(), epochs=2, **fit):
     return model, history.history, evaluation
 
 
-def _assert_same(expected, received, tolerance=TOLERANCE):
+def _assert_same(expected, received, tolerance=FLOAT32):
     (a, logs_a, eval_a), (b, logs_b, eval_b) = expected, received
-    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
-        np.testing.assert_allclose(wb, wa, **tolerance)
-    assert set(logs_a) <= set(logs_b)
-    for key in logs_a:
-        np.testing.assert_allclose(logs_b[key], logs_a[key], **tolerance, err_msg=key)
-    for key in eval_a:
-        np.testing.assert_allclose(eval_b[key], eval_a[key], **tolerance, err_msg=key)
+    assert_same_weights(b, a, tolerance)
+    assert_same_logs(logs_b, logs_a, tolerance)
+    assert_same_logs(eval_b, eval_a, tolerance)
 
 
 WHOLE = dict(micro_batch_size=20, whole_batch_loss=True)
@@ -115,8 +111,7 @@ def test_without_the_option_the_coupled_loss_is_refused_before_any_update():
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=r"couples its samples.*whole_batch_loss=True"):
         _fit(model)
-    for a, b in zip(before, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_weights(before, model, IDENTICAL)
     assert int(model.optimizer.iterations) == 0
     # Switched on between fits, it trains: the loss is checked again.
     model.whole_batch_loss = True
@@ -331,8 +326,7 @@ def _assert_refused_and_exact_with_the_option(build, fit, fresh, refused, micro_
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=refused + ".*whole_batch_loss=True"):
         fit(model, fresh())
-    for a, b in zip(before, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_weights(before, model, IDENTICAL)
     assert int(model.optimizer.iterations) == 0
     option = build(AccumulatingModel, micro_batch_size=micro_batch_size, whole_batch_loss=True)
     _assert_same(fit(build(keras.Model), fresh()), fit(option, fresh()))
