@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _helpers import SAME_COMPUTATION
 from conftest import KERAS_LINE
 from test_distribution import _free_ports
 
@@ -164,4 +165,4 @@ def test_an_out_of_memory_error_in_the_collective_part_stops_both_workers_unchan
         assert worker["collective"]["backoffs"] == 0, worker
     with np.load(tmp_path / "weights0.npz") as a, np.load(tmp_path / "weights1.npz") as b:
         for name in a.files:
-            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(a[name], b[name], **SAME_COMPUTATION, err_msg=name)

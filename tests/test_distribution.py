@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _helpers import FLOAT32
 from conftest import KERAS_LINE, LEGACY
 
 from keras_memopt import _subprocess
@@ -144,7 +145,7 @@ def test_two_workers_train_evaluate_predict_and_resume_as_one_process(tmp_path):
     for worker in (first, second):
         assert sorted(worker.files) == sorted(alone.files)
         for key in alone.files:
-            np.testing.assert_allclose(worker[key], alone[key], rtol=1e-5, atol=1e-5, err_msg=key)
+            np.testing.assert_allclose(worker[key], alone[key], **FLOAT32, err_msg=key)
     # The backup is removed at the end (tf_keras keeps the emptied directory);
     # the chief wrote the checkpoints.
     assert LEGACY or not first["backup_left"]

@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import SAME_COMPUTATION
 from conftest import KERAS_LINE, last_json
 
 from keras_memopt import AccumulatingModel, _subprocess
@@ -132,7 +133,7 @@ def test_a_fit_that_backed_off_holds_no_more_and_backs_off_in_its_first_epoch(tm
     with np.load(tmp_path / "backed_off.npz") as a, np.load(tmp_path / "clean.npz") as b:
         assert len(a.files) == len(b.files) > 0
         for name in a.files:
-            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(a[name], b[name], **SAME_COMPUTATION, err_msg=name)
 
 
 # -- micro_batch_size="auto" keeps headroom --------------------------------------------
@@ -291,7 +292,7 @@ def test_two_models_on_one_device_back_off_alone_and_train_as_their_clean_runs(t
     with np.load(path + ".limited.npz") as a, np.load(path + ".replay.npz") as b:
         assert sorted(a.files) == sorted(b.files) and len(a.files) == 18
         for name in a.files:
-            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(a[name], b[name], **SAME_COMPUTATION, err_msg=name)
 
 class StepStarts(keras.callbacks.Callback):
     """The allocator's bytes in use at the start of each training step, per epoch."""

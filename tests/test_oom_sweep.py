@@ -29,6 +29,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _helpers import SAME_COMPUTATION
 from conftest import LEGACY, last_json
 
 from keras_memopt import _subprocess
@@ -260,7 +261,7 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
         assert run["compared"] or len(received.files) == len(expected.files), run
         for index in range(compared):
             np.testing.assert_allclose(
-                received[f"arr_{index}"], expected[f"arr_{index}"], rtol=0, atol=1e-6,
+                received[f"arr_{index}"], expected[f"arr_{index}"], **SAME_COMPUTATION,
                 err_msg=f"{run['kind']} under {run['limit']} MiB, variable {index}",
             )
     for kind in BATCHES:

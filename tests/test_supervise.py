@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _helpers import SAME_COMPUTATION
 from conftest import KERAS_LINE
 
 from keras_memopt import _subprocess, supervise
@@ -99,7 +100,7 @@ def test_a_crashed_run_restarts_smaller_and_ends_as_a_run_that_switched(tmp_path
     assert int(received["size"]) == 8
     assert sorted(received.files) == sorted(expected.files)
     for key in expected.files:
-        np.testing.assert_allclose(received[key], expected[key], rtol=0, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(received[key], expected[key], **SAME_COMPUTATION, err_msg=key)
 
 
 def test_an_error_exit_is_not_restarted(tmp_path):
