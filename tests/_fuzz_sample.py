@@ -10,7 +10,8 @@ into tests/test_fuzz.py and which targets they cover, and which no seed of the p
 
 Picked greedily and deterministically: each next seed is the one that covers the most
 targets not yet covered, the cheaper (`cost`) and then the lower seed on a tie; once every
-coverable target is covered, seeds of families not yet in the sample fill it to `SIZE`.
+coverable target is covered, the `LATER` targets get a seed more where none covers them
+yet, and seeds of families not yet in the sample fill it to `SIZE`.
 `--line keras3` or `--line tf_keras` picks for one line only (in this process).
 """
 
