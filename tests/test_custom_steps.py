@@ -13,6 +13,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _faults import OutOfMemoryAbove
+from _helpers import (
+    FLOAT32,
+    IDENTICAL,
+    assert_same_logs,
+    assert_same_weights,
+    classification_data,
+    regression_data,
+)
 from conftest import LEGACY
 from test_whole_batch import negative_pairs_loss
 
@@ -21,7 +29,6 @@ from keras_memopt._keras import keras
 from keras_memopt.callbacks import OOMBackoff
 
 layers = keras.layers
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 LATENT = 4
 
 
@@ -131,11 +138,8 @@ class _nothing:
 
 def _assert_same(plain, accumulating):
     (model_a, logs_a), (model_b, logs_b) = plain, accumulating
-    for a, b in zip(model_a.get_weights(), model_b.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
-    assert set(logs_a) <= set(logs_b)
-    for key in logs_a:
-        np.testing.assert_allclose(logs_b[key], logs_a[key], **TOLERANCE, err_msg=key)
+    assert_same_weights(model_b, model_a, FLOAT32)
+    assert_same_logs(logs_b, logs_a, FLOAT32)
 
 
 def _teacher_student(seed):
@@ -194,9 +198,7 @@ class AccumulatingDistiller(PlainDistiller, AccumulatingModel):
 
 
 def _fit_distiller(cls, strategy=None, **kwargs):
-    rng = np.random.RandomState(1)
-    x = rng.normal(size=(40, 6)).astype("float32")
-    y = rng.randint(0, 3, 40)
+    x, y = classification_data(40, seed=1)
     with strategy.scope() if strategy else _nothing():
         model = cls(*_teacher_student(2), **kwargs)
         model.compile(optimizer=keras.optimizers.Adam(0.01))
@@ -308,7 +310,7 @@ class TestAccumulateGradients:
         np.testing.assert_array_equal(np.sort(gradient.indices.numpy()), rows)
         np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-6)
         np.testing.assert_allclose(
-            tf.convert_to_tensor(gradient), tf.convert_to_tensor(expected), **TOLERANCE
+            tf.convert_to_tensor(gradient), tf.convert_to_tensor(expected), **FLOAT32
         )
 
 
@@ -409,12 +411,10 @@ class TestCoupledLoss:
         model = Super(inputs, layers.Dense(2)(inputs), micro_batch_size=5)
         model.compile(keras.optimizers.SGD(0.1), summed)
         before = [w.copy() for w in model.get_weights()]
-        rng = np.random.RandomState(0)
-        x, y = rng.normal(size=(20, 6)), rng.normal(size=(20, 2))
+        x, y = regression_data(20, 6, 2, dtype="float64")
         with pytest.raises(ValueError, match=r"not a mean of per-sample terms|couples its samples"):
             model.fit(x, y, batch_size=10, verbose=0)
-        for a, b in zip(before, model.get_weights(), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_weights(before, model, IDENTICAL)
         assert int(model.optimizer.iterations) == 0
 
     def test_a_step_that_splits_nothing_is_not_run_before_its_first_step(self):
@@ -453,10 +453,10 @@ class TestWarning:
         inputs = keras.Input((6,))
         model = Super(inputs, layers.Dense(3)(inputs), micro_batch_size=5)
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        rng = np.random.RandomState(0)
+        x, y = classification_data(20, dtype="float64")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.fit(rng.normal(size=(20, 6)), rng.randint(0, 3, 20), verbose=0)
+            model.fit(x, y, verbose=0)
             _fit_distiller(AccumulatingDistiller, **MICRO)
         assert not [w for w in caught if "runs the whole batch" in str(w.message)]
 
@@ -472,8 +472,7 @@ class TestWarning:
             hidden = layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.01))(inputs)
             model = Custom(inputs, layers.Dense(2)(hidden), **kwargs)
             model.compile(keras.optimizers.Adam(0.01))
-            rng = np.random.RandomState(0)
-            x, y = rng.normal(size=(40, 6)), rng.normal(size=(40, 2))
+            x, y = regression_data(40, 6, 2, dtype="float64")
             history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
             return model, history.history
 
@@ -506,8 +505,7 @@ class TestAutoGraph:
 
     @staticmethod
     def _fit(model):
-        rng = np.random.RandomState(0)
-        x, y = rng.normal(size=(40, 6)), rng.normal(size=(40, 2))
+        x, y = regression_data(40, 6, 2, dtype="float64")
         model.compile(keras.optimizers.Adam(0.01), "mse")
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         return model, history.history

@@ -15,6 +15,7 @@ import warnings
 
 import numpy as np
 import pytest
+from _helpers import SAME_COMPUTATION, regression_data
 from conftest import LEGACY
 
 from keras_memopt import AccumulatingModel
@@ -26,7 +27,6 @@ layers = keras.layers
 Functional = type(keras.Model.__new__(keras.Model, inputs=[], outputs=[]))
 
 MICRO_BATCH_SIZE = 2  # every batch below has 4 or 8 samples: 2 to 4 micro-batches
-RTOL, ATOL = 1e-5, 1e-6
 
 
 def _split(cls):
@@ -73,11 +73,6 @@ def _dense_model(cls, **kwargs):
     hidden = layers.Dense(4, activation="tanh", name="hidden")(inputs)
     outputs = layers.Dense(1, name="out")(hidden)
     return cls(inputs, outputs, name="net", **_split(cls), **kwargs)
-
-
-def _data(n=8, seed=0):
-    rng = np.random.RandomState(seed)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
 
 
 class TestMissingInput:
@@ -166,12 +161,12 @@ class TestSubclassConstructors:
         assert not isinstance(model, Functional)
         assert model.teacher is teacher and model.student is student
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        x, y = _data()
+        x, y = regression_data(8, 3, 1)
         before = student.get_weights()
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         assert not np.allclose(before[0], student.get_weights()[0])
         np.testing.assert_allclose(
-            model.predict(x, verbose=0), student.predict(x, verbose=0), rtol=RTOL, atol=ATOL
+            model.predict(x, verbose=0), student.predict(x, verbose=0), **SAME_COMPUTATION
         )
 
     @_model_classes()
@@ -195,7 +190,7 @@ class TestSubclassConstructors:
         assert isinstance(model, Functional) and isinstance(model, Builder)
         assert cls.__bases__ == restore_bases[cls]
         model.compile(optimizer="sgd", loss="mse")
-        x, _ = _data()
+        x, _ = regression_data(8, 3, 1)
         model.fit(x, np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
         assert not isinstance(Subclassed(), Functional)
 
@@ -208,9 +203,9 @@ class TestCopies:
         restored = pickle.loads(pickle.dumps(model))
         assert type(restored) is type(model)
         assert _comparable(restored.get_config()) == _comparable(model.get_config())
-        x, _ = _data()
+        x, _ = regression_data(8, 3, 1)
         np.testing.assert_allclose(
-            restored.predict(x, verbose=0), model.predict(x, verbose=0), rtol=RTOL, atol=ATOL
+            restored.predict(x, verbose=0), model.predict(x, verbose=0), **SAME_COMPUTATION
         )
 
     @pytest.mark.parametrize(

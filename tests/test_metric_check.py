@@ -9,21 +9,15 @@ before any update, unless `whole_batch_loss=True`, where the metrics see the who
 batch's outputs once: then every figure is plain Keras's.
 """
 
-import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import FLOAT32, IDENTICAL, assert_same_logs, assert_same_weights, regression_data
 
 from keras_memopt import AccumulatingModel
 from keras_memopt._keras import LEGACY, keras
 
 layers = keras.layers
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # float32 sums of the same terms in another order
 N, BATCH, MICRO = 40, 16, 4  # the last batch of each epoch has 8 samples: 2 micro-batches
-
-
-def _data():
-    rng = np.random.RandomState(0)
-    return rng.normal(size=(N, 6)).astype("float32"), rng.normal(size=(N, 2)).astype("float32")
 
 
 def _model(cls, **kwargs):
@@ -73,7 +67,7 @@ def _additive():
 
 
 def _train(cls, metric, **kwargs):
-    x, y = _data()
+    x, y = regression_data(N, 6, 2)
     model = _model(cls, **kwargs)
     model.compile(keras.optimizers.Adam(0.05), "mse", metrics=[metric()])
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
@@ -84,18 +78,15 @@ def _train(cls, metric, **kwargs):
 def _assert_plain_keras(metric, **kwargs):
     plain, plain_logs, plain_eval = _train(keras.Model, metric)
     model, logs, evaluation = _train(AccumulatingModel, metric, micro_batch_size=MICRO, **kwargs)
-    for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_allclose(b, a, **TOLERANCE)
+    assert_same_weights(model, plain, FLOAT32)
     assert set(logs) == set(plain_logs)
-    for key in plain_logs:
-        np.testing.assert_allclose(logs[key], plain_logs[key], **TOLERANCE, err_msg=key)
-    for key in plain_eval:
-        np.testing.assert_allclose(evaluation[key], plain_eval[key], **TOLERANCE, err_msg=key)
+    assert_same_logs(logs, plain_logs, FLOAT32)
+    assert_same_logs(evaluation, plain_eval, FLOAT32)
 
 
 @pytest.mark.parametrize("name", sorted(_coupled()))
 def test_a_metric_of_the_batch_together_is_refused_before_any_update(name):
-    x, y = _data()
+    x, y = regression_data(N, 6, 2)
     model = _model(AccumulatingModel, micro_batch_size=MICRO)
     model.compile(keras.optimizers.Adam(0.05), "mse", metrics=[_coupled()[name]()])
     weights = model.get_weights()
@@ -103,8 +94,7 @@ def test_a_metric_of_the_batch_together_is_refused_before_any_update(name):
              rf"Received: metrics \['{name}'\], whole_batch_loss=False")
     with pytest.raises(ValueError, match=match):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    for a, b in zip(weights, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_weights(weights, model, IDENTICAL)
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
