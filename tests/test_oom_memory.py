@@ -346,7 +346,9 @@ def test_later_epochs_start_their_steps_with_the_memory_of_the_first():
         # with no garbage to collect), as TensorFlow's threads run ahead; in
         # one CI run on Keras 3 the first epochs' did and the third's did not
         # (21.25 MB against 17.57): a later epoch may start lower, not higher.
-        assert min(later[1:]) - min(first) <= MIB / 4, starts.starts
+        # Half a MiB: a tf_keras CI run's third epoch started 0.26 MiB above the
+        # first with nothing left to collect; what this guards is 4 MiB and more.
+        assert min(later[1:]) - min(first) <= MIB / 2, starts.starts
 
 
 def test_the_callback_keeps_figures_of_a_backoff_not_the_error():
