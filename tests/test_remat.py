@@ -261,7 +261,7 @@ class TestRemat:
         for wrap in (False, True):
             model = net(wrap)
             model.compile("sgd", "mse")
-            peaks[wrap] = peak_bytes_of_fit(model, x, y, 1024)
+            peaks[wrap] = peak_bytes_of_fit(model, x, y, 1024, lowest_of=3)
         # 16 activations of 1 MiB each: recomputed blocks keep 8 of them.
         # TensorFlow's parallel scheduling moves the peak by up to ~15% from
         # run to run; a recomputation that saved nothing would give >= 1.
@@ -576,10 +576,12 @@ class TestSegments:
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 jit_compile=jit_compile,
             )
-            peaks[remat] = peak_bytes_of_fit(model, x, y, 2048)
+            peaks[remat] = peak_bytes_of_fit(model, x, y, 2048, lowest_of=3)
         # Measured 0.24-0.85 over runs (the peak moves with TensorFlow's
-        # parallel scheduling, most under XLA on tf_keras); a recomputation
-        # that saved nothing would give >= 1.
+        # parallel scheduling, most under XLA on tf_keras), and once 0.93 of
+        # one step each in a loaded CI run (tf_keras, graph): the lowest of
+        # three steps each compares the two schedules at their best. A
+        # recomputation that saved nothing would give >= 1.
         assert peaks["auto"] < 0.9 * peaks[None], peaks
 
     def test_setting_survives_config_and_keras_file(self, tmp_path):
