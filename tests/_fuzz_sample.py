@@ -9,7 +9,8 @@ more things a split can get wrong are drawn at least once. It prints the lists t
 into tests/test_fuzz.py and which targets they cover, and which no seed of the pool can.
 
 Picked greedily and deterministically: each next seed is the one that covers the most
-targets not yet covered, the cheaper (`cost`) and then the lower seed on a tie; once every
+targets not yet covered, the cheaper (`cost`) and then the lower seed on a tie (none that
+costs more than `MOST_COST`); once every
 coverable target is covered, the `LATER` targets get a seed more where none covers them
 yet, and seeds of families not yet in the sample fill it to `SIZE`.
 `--line keras3` or `--line tf_keras` picks for one line only (in this process).
@@ -162,6 +163,9 @@ def cost(spec) -> float:
 # Seeds left out of the pool, per line, with the reason (a case that fails or that plain
 # Keras cannot run belongs in the long sweep's report, not in CI's sample).
 EXCLUDED = {"keras3": {}, "tf_keras": {}}
+# Cases that cost more are left to the long sweep: a gated recurrent tagger under a
+# strategy with recomputed segments (cost 9.4) took 98 s of an idle CI run on tf_keras.
+MOST_COST = 8.0
 
 
 def choose(line: str):
@@ -169,6 +173,7 @@ def choose(line: str):
     from _fuzz_cases import FAMILIES, draw
 
     specs = {seed: draw(seed) for seed in POOL if seed not in EXCLUDED[line]}
+    specs = {seed: spec for seed, spec in specs.items() if cost(spec) <= MOST_COST}
     covers = {seed: targets(spec) for seed, spec in specs.items()}
     wanted = all_targets()
     coverable = set().union(*covers.values()) & set(wanted)
