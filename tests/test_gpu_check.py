@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 import pytest
-from conftest import HAS_GPU, KERAS_LINE
+from conftest import HAS_GPU, KERAS_LINE, LEGACY
 
 from keras_memopt import _subprocess
 
@@ -48,6 +48,7 @@ def _memory(report, model, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(LEGACY, reason="docs/gpu.md's command runs on Keras 3: the Keras 3 pass runs it")
 class TestSmallCheck:
     def test_every_configuration_of_the_mlp_has_figures(self, small_check):
         _, report = small_check
