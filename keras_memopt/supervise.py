@@ -1,54 +1,16 @@
 """Supervised training: a crashed training process restarts with a smaller micro-batch.
 
-An out-of-memory error does not always reach Python as an exception that
-`OOMBackoff` can catch and recover from. Under some memory limits TensorFlow
-itself dies of a segmentation fault: its oneDNN CPU kernels (`MklFusedMatMulOp`,
-`MklConvOp`) go on computing when their output could not be allocated, which
-TensorFlow's own kernels do not; with oneDNN off, constant folding
-(`tensorflow::ConstantFold`) has crashed when a step function was
-instantiated while the allocator was full. No rollback can help a process
-that is gone; a new process can.
-
-`keras-memopt run [options] -- python train.py ...` runs the training command,
-and when the process dies of a signal (SIGSEGV, SIGABRT, SIGBUS) it runs the
-same command again, with every `AccumulatingModel`'s micro-batch at most
-`factor` times the size in use when it died, and with oneDNN off
-(`TF_ENABLE_ONEDNN_OPTS=0`) unless the environment sets that variable. A
-crash at `min_micro_batch_size` is restarted once more when that switch is
-new. The script resumes from its last backup when it trains with
-`keras_memopt.callbacks.BackupAndRestore`; with its default
-`save_freq="epoch"`, the result is that of a run that switched to the
-smaller micro-batch at that backup (to float32 rounding: oneDNN's and
-TensorFlow's kernels sum in different orders). A process that exits with an
-error (an exception, out-of-memory at `min_micro_batch_size` included) is not
-restarted: its exit status is returned.
-
-The supervisor and the training process talk through two environment
-variables: the process writes the micro-batch size it is using to the file
-named by `KERAS_MEMOPT_RUN_STATE` (each time it changes), and reads its cap
-from `KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE`.
-
-The supervisor's own messages (a restart, why it does not restart) go to
-standard error, beside the training process's output, which passes through
-untouched; `supervise(..., verbose=0)` says nothing. `keras-memopt run` loads
-no TensorFlow in its own process, where it would hold memory the training
-process needs.
-
-Example:
-
-```
-keras-memopt run --factor 0.5 -- python train.py --epochs 10
-```
-
-```python
-# train.py
-model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=256)
-model.compile(...)
-model.fit(x, y, batch_size=1024, epochs=10, callbacks=[
-    kmo.callbacks.BackupAndRestore("backup"),  # what a restart resumes from
-    kmo.callbacks.OOMBackoff(),                  # what can be caught, is
-])
-```
+Some out-of-memory errors kill TensorFlow itself (a SIGSEGV in its oneDNN
+kernels) instead of raising an exception `OOMBackoff` could catch. `keras-memopt
+run [options] -- python train.py ...` runs the training command, and when the
+process dies of a signal it runs it again with every `AccumulatingModel`'s
+micro-batch capped at `factor` times the size in use, and oneDNN off. The
+training process reports its size through the file named by
+`KERAS_MEMOPT_RUN_STATE` and reads its cap from
+`KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE` (`keras_memopt._oom.supervised`). A process
+that exits with an error is not restarted. The user guide's "Out-of-memory
+backoff" page (docs/oom-backoff.md, "When TensorFlow itself dies") says what
+is resumed and how exactly.
 """
 
 from __future__ import annotations
