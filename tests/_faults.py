@@ -90,7 +90,7 @@ class OutOfMemoryOnce(keras.layers.Layer):
         self.replica, self.delay = replica, delay
         # With `training_only`, no run in inference mode counts: not evaluation's,
         # nor the first step's probes, which run in a graph for a model with
-        # float8 layers (`keras_memopt._step.loss_check`).
+        # float8 layers (`keras_memopt._step.probe`).
         self.training_only = training_only
         self.supports_masking = True
 

@@ -170,7 +170,7 @@ class Spec:
     reductions: tuple | None = None
     # With `whole_batch_loss`: a metric of the batch's outputs together on every head
     # (`batch_mean`, one scalar per batch, which Keras averages over batches; refused
-    # without the option: `keras_memopt._step.metric_check`).
+    # without the option: `keras_memopt._step.probe`).
     batch_metric: bool = False
     # Keras 3: the model's Dense layers trained in float8 (`model.quantize("float8")`),
     # whose scales and amax histories the optimizer overwrites with their "gradient".

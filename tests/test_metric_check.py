@@ -1,4 +1,4 @@
-"""Compiled metrics that do not add up over micro-batches (`keras_memopt._step.metric_check`).
+"""Compiled metrics that do not add up over micro-batches (`keras_memopt._step.probe`).
 
 The step updates the compiled metrics with each micro-batch's outputs. A metric of
 per-sample values (a mean, a confusion matrix's counts, `R2Score`'s sums, a running

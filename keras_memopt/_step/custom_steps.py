@@ -8,14 +8,10 @@ calls neither it nor `super().train_step` saves no memory, and is told so.
 
 Before the first step, a custom step runs once eagerly on the batch's first
 two samples, as far as its first `accumulate_gradients` call
-(`_check_custom_loss`): its `loss_fn` is evaluated on those samples, again,
-on the samples repeated and on each sample alone (on the next two samples
-while it is zero on both: `loss_check.PAIRS`). A per-sample mean keeps its
-value on the repeated samples and is the mean of the samples' own; a loss
-that does neither couples the samples (a contrastive loss, a ratio of the
-batch's sums such as a Dice loss), which micro-batches cannot add up, and is
-warned about once. A loss that draws random numbers (a GAN's noise) cannot be
-checked this way and is not. What the run changed is put back.
+(`_check_custom_loss`): a `loss_fn` that is no mean of per-sample terms there
+(`keras_memopt._step.probe`: a contrastive loss, a Dice loss) is warned about
+once; one that draws random numbers (a GAN's noise) is not checked. What the
+run changed is put back.
 """
 
 from __future__ import annotations
@@ -30,18 +26,7 @@ from keras_memopt import _dtypes, _keras
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import rollback as _rollback
 from keras_memopt._step import whole_batch as _whole_batch
-from keras_memopt._step.loss_check import (
-    MEAN,
-    NEGLIGIBLE,
-    PAIRS,
-    adds_up,
-    kind_of,
-    repeat,
-    sample,
-    tolerance,
-    what_changed,
-    what_split,
-)
+from keras_memopt._step.probe import Seen, pairs, repeat, sample, tolerance
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 _CHECKED_CUSTOM_LOSSES: set[type] = set()
@@ -50,13 +35,13 @@ _CHECKED_CUSTOM_LOSSES: set[type] = set()
 class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the step
     """Ends the probe run of a custom step where it first splits its batch.
 
-    `values`: `(relative tolerance, the loss values to compare)`, or None; `error`: the model's own
-    loss check's refusal, raised once the probe's state is put back.
+    `seen`: the `loss_fn`'s values (a `keras_memopt._step.probe.Seen`), or None; `error`: the
+    model's own loss probe's refusal, raised once the probe's state is put back.
     """
 
-    def __init__(self, values, error=None):
+    def __init__(self, seen, error=None):
         super().__init__()
-        self.values = values
+        self.seen = seen
         self.error = error
 
 
@@ -115,26 +100,15 @@ class CustomSteps:
         ):
             return
         _CHECKED_CUSTOM_LOSSES.add(cls)
-        # A loss zero on two samples and on them repeated tells nothing (a loss of
-        # pairs of samples on two that make none of the pairs it needs): the
-        # batch's next pairs, as the model's own loss check probes them.
-        size = int(_loop.batch_size_of(data))
-        for start in range(0, max(min(size - 1, 2 * PAIRS), 1), 2):
-            values, error = self._probe_run(_loop.micro_slice(data, start, 2))
+        for pair in pairs(data):
+            seen, error = self._probe_run(pair)
             if error is not None:
                 raise error
-            if values is None:
+            if seen is None:
                 return
-            rtol, (once, again, twice, *alone) = values
-            if max(abs(once), abs(twice)) >= NEGLIGIBLE:
+            if not seen.negligible:
                 break
-        if abs(again - once) > 1e-6 * max(abs(once), 1e-12):
-            return  # random draws: not checked
-        changed = what_changed(once, twice) if kind_of(once, twice) != MEAN else None
-        if changed is None and alone:
-            parts = float(np.mean(alone))
-            if not adds_up(once, parts, float(np.mean(np.abs(alone))), rtol):
-                changed = what_split(once, parts)
+        changed = None if seen.random else seen.not_a_mean()  # random draws: not checked
         if changed is not None:
             _warn_at(
                 cls.train_step,
@@ -148,7 +122,7 @@ class CustomSteps:
             )
 
     def _probe_run(self, pair):
-        """`(values, error)` of one probe run of the step on two samples `pair`
+        """`(seen, error)` of one probe run of the step on two samples `pair`
         (both None: it did not split the batch, or cannot run eagerly)."""
         # Everything the step may change before it splits its batch (a plain
         # tape's update, a second optimizer's, the variables a tf_keras
@@ -161,7 +135,7 @@ class CustomSteps:
                 self.train_step(pair)
             return None, None  # it did not split the batch after all
         except _Probed as probed:
-            return probed.values, probed.error
+            return probed.seen, probed.error
         except Exception:  # noqa: BLE001 - a step that cannot run eagerly goes unchecked
             return None, None
         finally:
@@ -170,9 +144,9 @@ class CustomSteps:
             made.restore()
 
     def _probe_own_step(self, data):
-        """In the probe run, at `super().train_step(data)`: the model's own loss check, then out."""
+        """In the probe run, at `super().train_step(data)`: the model's own loss probe, then out."""
         try:
-            self._run.loss_split.check(data, self._run.whole_batch_loss)
+            self._probe_loss_split(data)
         except ValueError as error:
             raise _Probed(None, error) from None
         raise _Probed(None)
@@ -184,8 +158,10 @@ class CustomSteps:
         count = _loop.static_batch_size(data) or 0
         alone = [sample(data, index) for index in range(count)] if count > 1 else []
         losses = [loss_fn(part) for part in (data, data, repeat(data), *alone)]
-        dtype = getattr(losses[0], "dtype", tf.float32)
-        raise _Probed((tolerance(dtype), [float(loss) for loss in losses]))
+        once, again, twice, *alone = (float(loss) for loss in losses)
+        rtol = tolerance(getattr(losses[0], "dtype", tf.float32))
+        parts = (float(np.mean(alone)), float(np.mean(np.abs(alone)))) if alone else (np.nan, 0.0)
+        raise _Probed(Seen(once, twice, again, *parts, rtol=rtol))
 
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.

@@ -21,7 +21,7 @@ The shares enter Keras's own loss computation as sample weights (scalars, so
 they broadcast onto any loss shape), so losses, masks, class and sample
 weights, `loss_weights` and distribution scaling stay Keras's. What each term
 does with the samples, and which class each output's loss ignores, is found
-once, at the first step (`keras_memopt._step.loss_check`).
+once, at the first step (`keras_memopt._step.probe`).
 
 Keras 3 updates each per-output loss tracker with the batch's *static* first
 dimension, unknown inside the loop (so each micro-batch counts as one; run
@@ -39,21 +39,94 @@ of `model.losses` are split.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import tensorflow as tf
 
 from keras_memopt import _dtypes, _keras
 from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import loop as _loop
-from keras_memopt._step.loss_check import (
-    SUM,
-    LossForm,
-    check,
-    has_compiled_loss,
-    overrides,
-    reduction_of,
-    sample,
-)
+
+MEAN, SUM = "mean", "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossForm:
+    """What the first step's probe found (`keras_memopt._step.probe`): one kind per
+    term of `model.losses`, one `ignore_class` (or None) per flat output, and whether
+    an output carries a mask (Keras then divides its loss by the unmasked elements)."""
+
+    terms: tuple[str, ...] = ()
+    ignore_classes: tuple = ()
+    masked: bool = False
+    # Per flat output, whether its loss sums over the batch (`reduction="sum"`);
+    # () where none does.
+    summed: tuple = ()
+    # One kind per `Mean` metric the layers update in `call` (`layer_metrics`).
+    metrics: tuple = ()
+
+    @property
+    def counted_by(self) -> str | None:
+        """What the batch's counts need, known before the loop: "outputs" (a
+        forward pass: an output carries a mask), "targets" (an ignored class
+        only), or None (Keras counts samples)."""
+        if self.masked:
+            return "outputs"
+        return "targets" if any(c is not None for c in self.ignore_classes) else None
+
+
+def overrides(model, name) -> bool:
+    """Whether `model`'s class overrides `keras.Model.<name>`."""
+    return getattr(type(model), name) is not getattr(_keras.keras.Model, name)
+
+
+def has_compiled_loss(model) -> bool:
+    return _keras_losses.compiled_loss_container(model) is not None
+
+
+def output_losses(model, y=None) -> list:
+    """Each flat output's compiled loss (None where it has none).
+
+    A dict of losses is matched to the outputs by name: the targets' keys
+    where they are a dict (a subclassed model names its outputs nowhere else).
+    """
+    outputs = y if isinstance(y, dict) else None
+    if outputs is None and isinstance(model, _keras.Functional):
+        outputs = _keras.nested_inputs_outputs(model)[1]
+    if isinstance(outputs, dict):
+        names = sorted(outputs)  # the order `tf.nest.flatten` gives a dict's values
+    else:
+        names = list(getattr(model, "output_names", None) or [])
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, dict):
+        return [loss.get(name) for name in names]
+    if isinstance(loss, (list, tuple)):
+        return list(loss)
+    return [loss] * max(len(names), 1)
+
+
+def reduction_of(loss) -> str | None:
+    """A `keras.losses.Loss`'s reduction in lower case, on both lines (None: a
+    function or a name, which average over the samples)."""
+    reduction = getattr(loss, "reduction", None)
+    return None if reduction is None else str(reduction).lower()
+
+
+def ignore_classes(model, y=None) -> tuple:
+    """The `ignore_class` of each flat output's compiled loss (None where none)."""
+    classes = []
+    for item in output_losses(model, y):
+        config = item.get_config() if hasattr(item, "get_config") else {}
+        classes.append(config.get("ignore_class"))
+    return tuple(classes) if any(c is not None for c in classes) else ()
+
+
+def summed_outputs(model, y=None) -> tuple:
+    """Whether each flat output's compiled loss sums over the batch (`reduction="sum"`:
+    its micro-batches' losses add up to the batch's unweighted); () where none does."""
+    summed = tuple(reduction_of(item) == "sum" for item in output_losses(model, y))
+    return summed if any(summed) else ()
+
 
 # A loss's reductions that split over micro-batches: the means over the samples
 # (each micro-batch weighted by its share) and the sum (unweighted).
@@ -86,7 +159,7 @@ def check_reduction(loss, whole_batch_loss):
 class LossSplit:
     """How `model`'s loss splits over micro-batches.
 
-    `form` (a `keras_memopt._step.loss_check.LossForm`) is found by `check()` at the
+    `form` (a `LossForm`) is found by `keras_memopt._step.probe.loss.loss_form` at the
     first step: the kind of each term of `model.losses`, and the class each
     output's loss ignores.
     """
@@ -94,11 +167,6 @@ class LossSplit:
     def __init__(self, model):
         self.model = model
         self.form: LossForm | None = None
-
-    def check(self, data, whole_batch_loss=False):
-        """Finds `form` on the first batch (once); raises for losses it cannot split."""
-        if self.form is None:
-            self.form = check(self.model, data, whole_batch_loss, self._one_at_a_time)
 
     def divisor_masks(self, y, y_pred, form=None) -> list:
         """Per flat output, what Keras divides its loss by: its mask, and'ed with
@@ -131,12 +199,12 @@ class LossSplit:
         if counted_by is None:
             return no_counts()
         if counted_by == "targets":
-            return _counts(self.divisor_masks(data[1], None))
+            return counts(self.divisor_masks(data[1], None))
 
         def count(micro):
             x, y, _ = micro
             y_pred = forward(x, training=False)
-            return _counts(self.divisor_masks(y, y_pred))
+            return counts(self.divisor_masks(y, y_pred))
 
         return _loop.accumulate(count, data, size, jit_compile=jit_compile)
 
@@ -156,9 +224,9 @@ class LossSplit:
         if _keras_losses.PER_SAMPLE_CONTAINER:
             # The container adds the terms, per sample of the micro-batch.
             terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
-            return self._compiled_share(y, y_pred, sample_weight, share, valid, terms)
+            return self.compiled_share(y, y_pred, sample_weight, share, valid, terms)
         if has_compiled_loss(model):
-            loss = self._compiled_share(y, y_pred, sample_weight, share, valid)
+            loss = self.compiled_share(y, y_pred, sample_weight, share, valid)
         else:  # `compile(loss=None)`: the terms of `model.losses` are the loss
             loss = tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
         for index, term in enumerate(model.losses):
@@ -166,7 +234,7 @@ class LossSplit:
             loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
         return loss
 
-    def _compiled_share(self, y, y_pred, sample_weight, share, valid, terms=(), form=None):
+    def compiled_share(self, y, y_pred, sample_weight, share, valid, terms=(), form=None):
         """The compiled loss of a micro-batch's outputs, its share of the batch's
         (see the module docstring), with `terms` on tf_keras."""
         form = form or self.form or LossForm()
@@ -181,54 +249,6 @@ class LossSplit:
         weights = _output_weights(y_pred, sample_weight, shares)
         with _one_update_each(self.model, y_pred):
             return _keras_losses.compiled_loss(self.model, y, y_pred, weights, [])
-
-    def _one_at_a_time(self, form, x, y, y_pred):
-        """What `loss_check.check` compares (its `split`), on a few samples' outputs:
-
-        `(parts, magnitude, own, alone)`: the loss as micro-batches of one
-        sample add it up (with the shares `form` gives) and the sum of the
-        parts' absolute values; and for the sample whose part differs most, the
-        batch's loss with a sample weight of one on it and zero elsewhere
-        (`own`, NaN for an overridden `compute_loss`) and its part (`alone`).
-        """
-        count = _loop.static_batch_size(y_pred)
-        nan = tf.constant(float("nan"), tf.float64)
-        if not count:
-            return nan, nan, nan, nan
-        valid = _counts(self.divisor_masks(y, y_pred, form))
-        parts, own = [], []
-        for index in range(count):
-            one = [sample(data, index) for data in (x, y, y_pred)]
-            if overrides(self.model, "compute_loss"):
-                loss = _keras_losses.compute_loss(self.model, *one, None, training=False)
-                parts.append(loss * tf.cast(1 / count, loss.dtype))
-                own.append(nan)
-                continue
-            share = _loop.share_of(1, count)
-            parts.append(self._compiled_share(*one[1:], None, share, valid, form=form))
-            own.append(self._weighted_on(index, count, y, y_pred))
-        parts, own = (tf.stack([tf.cast(v, tf.float64) for v in vs]) for vs in (parts, own))
-        worst = tf.argmax(tf.where(tf.math.is_nan(own), tf.zeros_like(own), tf.abs(own - parts)))
-        return tf.reduce_sum(parts), tf.reduce_sum(tf.abs(parts)), own[worst], parts[worst]
-
-    def _weighted_on(self, index, count, y, y_pred):
-        """The outputs' compiled loss with sample weights one on sample `index` and
-        zero elsewhere, per output in its loss values' usual shape (the output's
-        without its last axis); NaN for a loss that takes no such weights."""
-        floatx = _keras.keras.backend.floatx()
-
-        def weights(output):
-            shape = tf.shape(output)[:-1] if output.shape.rank > 1 else tf.shape(output)
-            one = tf.one_hot(index, count, dtype=floatx)
-            one = tf.reshape(one, [count] + [1] * (output.shape.rank - 2))
-            return tf.broadcast_to(one, shape)
-
-        try:
-            return _keras_losses.compiled_loss(
-                self.model, y, y_pred, tf.nest.map_structure(weights, y_pred), []
-            )
-        except (ValueError, TypeError, tf.errors.InvalidArgumentError):
-            return tf.constant(float("nan"), tf.float64)
 
     def penalty(self, share) -> tf.Tensor:
         """The terms of `model.losses` of the last call, each with its share, summed
@@ -385,7 +405,7 @@ def output_masks(y_pred) -> list:
     return [_keras.get_mask(t) for t in tf.nest.flatten(y_pred)]
 
 
-def _counts(masks) -> tf.Tensor:
+def counts(masks) -> tf.Tensor:
     """Elements kept by each mask (0 where there is none), float64."""
     counts = [
         tf.zeros([], tf.float64) if mask is None else tf.reduce_sum(tf.cast(mask, tf.float64))

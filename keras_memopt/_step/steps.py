@@ -31,12 +31,12 @@ from keras_memopt import _dtypes, _keras, distribute
 from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import layer_metrics as _layer_metrics
 from keras_memopt._step import loop as _loop
-from keras_memopt._step import loss_check as _loss_check
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import per_update as _per_update
 from keras_memopt._step import shares as _shares
 from keras_memopt._step import update as _update
 from keras_memopt._step import whole_batch as _whole_batch
+from keras_memopt._step.probe.loss import loss_form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +89,9 @@ class MicroBatchSteps:
         strategy, but without taking a batch from the user's data), so that
         the first step is traced once; a model with no `call()` of its own
         (a GAN whose `train_step` calls its parts) is left to its step, as
-        Keras leaves it. The model's own steps also check how their losses
-        split over micro-batches (`keras_memopt._step.losses.LossSplit.check`), a
-        custom step the loss of its first `accumulate_gradients` call
-        (`keras_memopt._step.custom_steps`).
+        Keras leaves it. The model's own steps also probe how their losses
+        split over micro-batches (`_probe_loss_split`), a custom step the loss
+        of its first `accumulate_gradients` call (`keras_memopt._step.custom_steps`).
         """
         local = distribute.first_replica_part(data, self.distribute_strategy)
         buildable = isinstance(self, _keras.Functional) or (
@@ -101,9 +100,16 @@ class MicroBatchSteps:
         if buildable and kind != "predict":
             _keras.symbolic_build(self, local)
         if kind != "predict" and builtin:
-            self._run.loss_split.check(local, self._run.whole_batch_loss)
+            self._probe_loss_split(local)
         elif kind == "train":
             self._check_custom_loss(local)
+
+    def _probe_loss_split(self, data):
+        """Finds, once, how the loss splits over micro-batches (`keras_memopt._step.probe`);
+        raises for a loss or metric it cannot split."""
+        split = self._run.loss_split
+        if split.form is None:
+            split.form = loss_form(self, split, data, self._run.whole_batch_loss)
 
     def _forward(self, x, training):
         # Recomputed segments matter in training only; placed ones always.
@@ -270,7 +276,7 @@ class MicroBatchSteps:
         """`fn()`, with what it adds to the layers' own metrics weighted by the
         micro-batch's share of `batch_size` samples (`keras_memopt._step.layer_metrics`)."""
         share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
-        kinds = (self._run.loss_split.form or _loss_check.LossForm()).metrics
+        kinds = (self._run.loss_split.form or _losses.LossForm()).metrics
         return _layer_metrics.weighted(self, kinds, share, fn)
 
     def _uncounted(self, fn):
