@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_memopt import _keras
 from keras_memopt._step import loop as _loop
+from keras_memopt._step.probe import in_replica
 
 
 def _padding_to_the_batch(model) -> list[str]:
@@ -60,12 +61,10 @@ def _probe(model):
 
 
 def _shapes(model, function, x) -> list:
-    strategy = model.distribute_strategy
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        outputs = strategy.run(lambda x: function(x, training=False), args=(x,))
-    outputs = strategy.experimental_local_results(outputs)[0]
-    return [tuple(t.shape) for t in tf.nest.flatten(outputs)]
+    def shapes(x):
+        return [tf.shape(t) for t in tf.nest.flatten(function(x, training=False))]
+
+    return [tuple(shape) for shape in in_replica(model, shapes, x)]
 
 
 def warn(model, x):
