@@ -1,15 +1,9 @@
 """The loss and the terms of `model.losses` on repeated samples (`keras_memopt._step.probe`).
 
-The loss of the outputs is evaluated on *one* forward pass's outputs, repeated, so that a
-layer drawing random numbers in inference mode too (a VAE's sampling layer) cannot make
-the two differ; and one sample at a time, as the micro-batches weigh it
-(`LossSplit.compiled_share`), which tells a ratio of the batch's sums (a Dice loss) from
-a mean; and weighted one on a sample and zero elsewhere, which differs from that sample's
-part where Keras divides by a count the shares do not know. A loss that couples the
-samples is refused unless `whole_batch_loss=True`. Each term of `model.losses` comes
-from its own forward pass: `MEAN` when it keeps its value, `SUM` when it doubles, else
-refused; one that differs between two passes draws random numbers and is the nearer of
-the two, within the spread of its draws.
+What is evaluated and why: docs/accumulation.md, "How the share is found". The loss
+comes from one forward pass (a random layer cannot fool it), also one sample at a time
+as the micro-batches weigh it (a ratio of sums, a Dice loss, does not add up) and
+weighted one on a sample (Keras may divide by a count the shares do not know).
 """
 
 from __future__ import annotations
