@@ -12,6 +12,10 @@ run as that command, this package loads its public names on first use (PEP
 562), so `keras-memopt --help` and argument errors return at once, and the
 command imports what it uses itself (`plan` imports `keras_memopt.models`
 before loading a model).
+
+On Keras 3's JAX backend (`KERAS_BACKEND=jax`) the package exports
+`AccumulatingModel` only, the JAX step's (`keras_memopt.jax_models`); the
+other names are TensorFlow's and say so when asked for.
 """
 
 import os as _os
@@ -44,6 +48,13 @@ def _module_run():
     return ""
 
 
+def _keras_backend():
+    """The backend Keras runs on, as the package's Keras seam reads it."""
+    from keras_memopt._keras import BACKEND
+
+    return BACKEND
+
+
 if _launched_as_command():
     _LAZY = {
         "AccumulatingModel": "keras_memopt.models",
@@ -63,6 +74,22 @@ if _launched_as_command():
             globals()[name] = value
             return value
         raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
+
+elif _keras_backend() == "jax":
+    # Keras 3 on JAX: the JAX step's `AccumulatingModel`; the rest of the API
+    # is TensorFlow's and not there yet (issue 56).
+    from keras_memopt.jax_models import AccumulatingModel
+
+    __all__ = ["AccumulatingModel"]
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
+        raise AttributeError(
+            f"keras_memopt.{name} is not available on the JAX backend yet: on JAX, "
+            "keras_memopt has `AccumulatingModel` only. Use the TensorFlow backend "
+            f"(KERAS_BACKEND=tensorflow) for it. Received: {name!r}"
+        )
 
 else:
     from keras_memopt import (  # noqa: F401  (modules of the API)

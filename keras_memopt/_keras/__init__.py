@@ -20,6 +20,10 @@ if LEGACY:
 else:
     import keras
 
+# The backend Keras runs on: "tensorflow" on both lines, or "jax" (Keras 3 only),
+# where `keras_memopt` exports the JAX step's `AccumulatingModel` (`jax_models`).
+BACKEND = "tensorflow" if LEGACY else keras.config.backend()
+
 # Keras hides its functional model class; both lines return it from
 # `Model.__new__` when given functional arguments (without initialising it).
 Functional = type(keras.Model.__new__(keras.Model, inputs=[], outputs=[]))

@@ -1,0 +1,266 @@
+"""The JAX train step: a batch's micro-batches inside one compiled, stateless step.
+
+Keras's JAX trainer compiles `train_step(state, data)` with `jax.jit`; this
+one takes the same state and returns the same. The batch of `N` samples is
+split at trace time (shapes are static on JAX) into `k` equal micro-batches
+of `m` samples, run by `jax.lax.scan`, and a last micro-batch of the `r`
+samples left over, run once more by the same function at its own static
+shape: nothing is padded into the loss. Each micro-batch's gradient is taken
+of its exact share of the batch's loss; the shares add up, in the gradients'
+own dtype, to the whole batch's gradient, which `optimizer.stateless_apply`
+applies once.
+
+The shares (as on the TensorFlow line, `keras_memopt._step.losses`): Keras
+divides a `"sum_over_batch_size"` loss by the number of values (not by the
+sum of the sample weights), so a micro-batch's loss, scaled by `n_i / N`, is
+its part of the batch's; a loss with `reduction="sum"` is divided by nothing,
+so its parts add up unscaled. The shares reach Keras's own loss container as
+sample weights (the user's, times the share), so `loss_weights`, class and
+sample weights stay Keras's. The terms of `model.losses` that this step takes
+(weight regularisers) do not depend on the samples: each micro-batch adds
+`n_i / N` of them.
+
+What the loop changes besides the gradient: layers' non-trainable state
+(BatchNormalization's moving statistics, seed generators) is carried from
+one micro-batch to the next, so it advances once per micro-batch, in order,
+as on the TensorFlow line. The loss tracker, the per-output loss trackers and
+the compiled metrics are updated once, after the loop, with the batch's loss
+and the whole batch's outputs, by Keras's own `_update_metrics_variables`:
+the figures are plain Keras's at the whole batch. The outputs of the whole
+batch are kept for that (as plain Keras keeps them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from keras_memopt import _keras
+from keras_memopt._keras import keras
+
+tree = keras.tree
+
+
+def train_step(model, micro_batch_size, state, data):
+    """Keras's JAX `train_step(state, data)` for `model`, in micro-batches of
+    `micro_batch_size` samples (an int, or a function of the batch's size)."""
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    size = batch_size_of(x)
+    m = micro_batch_size(size) if callable(micro_batch_size) else micro_batch_size
+    m = max(1, min(m, size))
+    steps, rest = divmod(size, m)
+    grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
+
+    def micro(non_trainable, part):
+        xs, ys, ws = part
+        n = batch_size_of(xs)
+        (_, aux), grads = grad_fn(
+            model, trainable, non_trainable, metrics_variables, optimizer_variables,
+            xs, ys, ws, n / size,
+        )
+        unscaled, y_pred, non_trainable, trackers = aux
+        return non_trainable, (grads, unscaled, trackers), y_pred
+
+    def body(carry, part):
+        totals, non_trainable = carry
+        non_trainable, parts, y_pred = micro(non_trainable, part)
+        totals = tree.map_structure(jnp.add, totals, parts)
+        return (totals, non_trainable), y_pred
+
+    whole = (x, y, sample_weight)
+    zeros = _zero_parts(model, trainable)
+    (totals, non_trainable), y_pred = jax.lax.scan(
+        body, (zeros, non_trainable), _stacked(whole, steps, m)
+    )
+    y_pred = tree.map_structure(lambda t: t.reshape((steps * m, *t.shape[2:])), y_pred)
+    if rest:
+        non_trainable, parts, last = micro(non_trainable, _rows(whole, steps * m, size))
+        totals = tree.map_structure(jnp.add, totals, parts)
+        y_pred = tree.map_structure(lambda a, b: jnp.concatenate([a, b]), y_pred, last)
+    grads, loss, trackers = totals
+
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, size)
+    logs, metrics_variables = model._update_metrics_variables(
+        metrics_variables, loss, x, y, y_pred, sample_weight
+    )
+    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,
+                x, y, sample_weight, share):
+    """A micro-batch's share of the batch's loss (scaled as the optimizer scales it)
+    and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
+    `compute_loss_and_updates` with the share in the sample weights and the terms."""
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    y_pred, non_trainable, losses = model.stateless_call(
+        trainable, non_trainable, x, return_losses=True, **kwargs
+    )
+    refuse_sample_dependent_terms(model, losses)
+    weights = output_weights(model, y_pred, sample_weight, share)
+    saved = model._losses_override
+    if losses:
+        model._losses_override = [term * share for term in losses]
+    try:
+        loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
+            trainable, non_trainable, metrics_variables,
+            x=x, y=y, y_pred=y_pred, sample_weight=weights, training=True,
+        )
+    finally:
+        model._losses_override = saved
+    trackers = _tracker_parts(model, metrics_variables, metrics_after)
+    unscaled = loss
+    mapping = list(zip(model.optimizer.variables, optimizer_variables, strict=True))
+    with keras.StatelessScope(state_mapping=mapping):
+        loss = model.optimizer.scale_loss(loss)
+    return loss, (unscaled, y_pred, non_trainable, trackers)
+
+
+def output_weights(model, y_pred, sample_weight, share):
+    """The sample weights that carry each output's share of the batch's loss.
+
+    `share` (`n_i / N`) for outputs whose loss averages over the samples, one
+    for those whose loss sums over them (`reduction="sum"`); times the user's
+    sample weights, one array for every output or one per output as Keras
+    pairs them (by the outputs' structure).
+    """
+    from keras_memopt._step.loss_check import summed_outputs
+
+    flat = tree.flatten(y_pred)
+    summed = summed_outputs(model) or (False,) * len(flat)
+    shares = [1.0 if sums else share for sums in summed]
+    n = batch_size_of(flat)
+    if tree.is_nested(sample_weight):
+        user = tree.flatten(sample_weight)
+    else:
+        user = [sample_weight] * len(flat)
+    if len(user) != len(flat) or len(shares) != len(flat):
+        raise ValueError(
+            "AccumulatingModel on JAX pairs one sample weight and one loss with each "
+            f"output; the model has {len(flat)} output(s). Received: "
+            f"{len(user)} sample weight(s) for {len(shares)} loss(es)"
+        )
+    weights = [_scaled(w, s, n) for w, s in zip(user, shares, strict=True)]
+    return tree.pack_sequence_as(y_pred, weights) if tree.is_nested(y_pred) else weights[0]
+
+
+def _scaled(sample_weight, share, n):
+    """`sample_weight * share`, per sample (Keras's float type or the weight's, the
+    wider), or `share` for each of the `n` samples where there is no weight."""
+    dtype = jnp.dtype(keras.backend.floatx())
+    if sample_weight is None:
+        return jnp.full((n,), share, dtype)
+    weight = jnp.asarray(sample_weight)
+    if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
+        dtype = weight.dtype
+    return weight.astype(dtype) * jnp.asarray(share, dtype)
+
+
+def refuse_output_masks(model):
+    """Refuses, while the step is traced (before any update), an output that may
+    carry a Keras mask.
+
+    Keras divides such an output's loss by its unmasked elements over the
+    whole batch, which needs the batch's count before the loop: the
+    TensorFlow line has it, this JAX step does not yet. A functional model's
+    outputs say whether they carry one; a subclassed model with a layer that
+    makes masks (`Embedding(mask_zero=True)`, `Masking`) is refused, as its
+    outputs do not say.
+    """
+    if isinstance(model, _keras.Functional):
+        masked = [t for t in model.outputs if getattr(t, "_keras_mask", None) is not None]
+        found = f"output(s) {[t.name for t in masked]} carry a mask" if masked else None
+    else:
+        makers = [layer.name for layer in model._flatten_layers() if _makes_masks(layer)]
+        found = f"layer(s) {makers} make masks in a subclassed model" if makers else None
+    if found:
+        raise NotImplementedError(
+            "AccumulatingModel on JAX cannot yet split the loss of an output that "
+            "carries a Keras mask (`Embedding(mask_zero=True)` or `Masking` reaching "
+            "the output): Keras divides it by the unmasked elements of the whole "
+            "batch. Consume the mask before the output (a pooling layer) in a "
+            "functional model, use the TensorFlow backend, or leave "
+            f"`micro_batch_size` and `accumulation_steps` unset. Received: {found}"
+        )
+
+
+def _makes_masks(layer):
+    return getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
+
+
+def refuse_sample_dependent_terms(model, losses):
+    """Refuses terms of `model.losses` besides weight regularisers (`add_loss`,
+    activity regularisers): whether each averages or sums over the samples is
+    not yet found on JAX (the TensorFlow line finds it at the first step)."""
+    regularised = sum(1 for v in model.trainable_weights if v.regularizer is not None)
+    if len(losses) > regularised:
+        raise NotImplementedError(
+            "AccumulatingModel on JAX splits the terms of `model.losses` only where "
+            "they are weight regularisers (`kernel_regularizer`, `bias_regularizer`); "
+            "terms from `add_loss` or an `activity_regularizer` are not supported on "
+            "JAX yet. Use the TensorFlow backend for them. Received: "
+            f"{len(losses) - regularised} such term(s)"
+        )
+
+
+def batch_size_of(data) -> int:
+    """The static number of samples in a nest of batched arrays."""
+    for leaf in tree.flatten(data):
+        if leaf is not None and getattr(leaf, "shape", None):
+            return int(leaf.shape[0])
+    raise ValueError(
+        "AccumulatingModel splits each batch along its first axis, but the batch "
+        f"holds no array. Received: data={data!r}"
+    )
+
+
+def _stacked(data, steps, m):
+    """The first `steps * m` rows of each array, as `steps` micro-batches of `m`."""
+    return tree.map_structure(
+        lambda t: None if t is None else t[: steps * m].reshape((steps, m, *t.shape[1:])), data
+    )
+
+
+def _rows(data, start, stop):
+    return tree.map_structure(lambda t: None if t is None else t[start:stop], data)
+
+
+def _zero_parts(model, trainable):
+    """Zeros of what each micro-batch adds up: gradients, loss, loss-tracker parts."""
+    grads = [jnp.zeros_like(v) for v in trainable]
+    dtype = jnp.dtype(keras.backend.floatx())
+    trackers = [jnp.zeros([], t.total.dtype) for t in _loss_trackers(model)]
+    return grads, jnp.zeros([], dtype), trackers
+
+
+def _loss_trackers(model):
+    """Keras's per-output loss trackers (`Mean` metrics of the compiled loss)."""
+    container = getattr(model, "_compile_loss", None)
+    return list(container.metrics) if container is not None else []
+
+
+def _tracker_parts(model, before, after):
+    """What each per-output loss tracker took from one call, as the mean it added."""
+    index = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    parts = []
+    for tracker in _loss_trackers(model):
+        total, count = index[id(tracker.total)], index[id(tracker.count)]
+        added = after[count] - before[count]
+        parts.append(jnp.where(added > 0, (after[total] - before[total]) / added, 0))
+    return parts
+
+
+def _set_loss_trackers(model, metrics_variables, parts, size):
+    """Each per-output loss tracker as one update with the batch's loss of that
+    output gives it (Keras weighs it by the batch's size)."""
+    metrics_variables = list(metrics_variables)
+    index = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    for tracker, value in zip(_loss_trackers(model), parts, strict=True):
+        total, count = index[id(tracker.total)], index[id(tracker.count)]
+        weight = jnp.asarray(size, metrics_variables[count].dtype)
+        metrics_variables[total] = metrics_variables[total] + value * weight
+        metrics_variables[count] = metrics_variables[count] + weight
+    return metrics_variables

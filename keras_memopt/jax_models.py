@@ -1,0 +1,285 @@
+"""`AccumulatingModel` on Keras 3's JAX backend (`KERAS_BACKEND=jax`).
+
+`import keras_memopt` exports this class in place of the TensorFlow one
+(`keras_memopt.models`) when Keras runs on JAX. Its train step is
+`keras_memopt._step.jax_step.train_step`: the micro-batches inside Keras's one
+compiled, stateless step, one optimizer update. What the TensorFlow line does
+that this one does not do yet is refused, naming the feature, before any
+update.
+"""
+
+from __future__ import annotations
+
+from keras_memopt import _keras, _validation
+from keras_memopt._serialization import functional_class
+from keras_memopt._step import jax_step
+from keras_memopt._step.losses import check_reduction
+
+__all__ = ["AccumulatingModel"]
+
+_SETTING = ("micro_batch_size", "accumulation_steps")
+
+keras = _keras.keras
+
+# The TensorFlow line's constructor arguments that JAX does not take yet, with
+# the value that means "not used".
+_NOT_ON_JAX = {
+    "remat": None,
+    "replica_shares": None,
+    "devices": None,
+    "device_cuts": None,
+    "whole_batch_loss": False,
+}
+
+
+class AccumulatingModel(keras.Model):
+    """A `keras.Model` whose train step accumulates gradients over micro-batches (JAX).
+
+    The batch that the input pipeline delivers is the *effective* batch. The
+    compiled train step splits it along its first axis into micro-batches,
+    runs them one after another inside the step (`jax.lax.scan` over the
+    equal ones, then the uneven last one at its own shape), adds up their
+    gradients, each weighted by its exact share of the batch's loss, and
+    applies **one** optimizer update: plain Keras's update on the whole
+    batch. The loss, the per-output losses and the compiled metrics are
+    plain Keras's figures for the whole batch. BatchNormalization normalises
+    each micro-batch with its own statistics and advances its moving
+    statistics once per micro-batch, as on the TensorFlow line.
+
+    On JAX a micro-batch size is a static shape: each size is compiled once.
+    `evaluate` and `predict` run as in plain Keras.
+
+    Not yet on JAX (refused, naming the feature, before any update):
+    `remat`, `replica_shares`, `devices`, `device_cuts`,
+    `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
+    replica, an output carrying a Keras mask, a loss with `ignore_class`,
+    terms of `model.losses` other than weight regularisers (`add_loss`,
+    activity regularisers), an overridden `compute_loss`, a
+    `keras.distribution`, and an optimizer with its own
+    `gradient_accumulation_steps`.
+
+    Args:
+        micro_batch_size: int, the number of samples in each micro-batch.
+            The last micro-batch of a batch may be smaller; a batch smaller
+            than `micro_batch_size` is one micro-batch.
+        accumulation_steps: int, the number of micro-batches to split each
+            batch into (each of `ceil(batch / accumulation_steps)` samples,
+            the last one smaller where it does not divide). Give at most one
+            of the two; with neither, each batch is one micro-batch.
+        *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
+            `name`, ...).
+
+    Example:
+
+    ```python
+    import os
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras
+    from keras_memopt import AccumulatingModel
+
+    inputs = keras.Input((784,))
+    x = keras.layers.Dense(512, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10)(x)
+    model = AccumulatingModel(inputs, outputs, micro_batch_size=32)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x_train, y_train, batch_size=256)  # 8 micro-batches, 1 update
+    ```
+
+    Raises:
+        ValueError: if both `micro_batch_size` and `accumulation_steps` are
+            given, or one is not a positive integer.
+        NotImplementedError: for an argument or feature not supported on JAX
+            yet (see above).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # As the TensorFlow line: (inputs, outputs) make a functional model only
+        # when they reach this constructor.
+        own_constructor = cls.__init__ is not AccumulatingModel.__init__
+        functional = issubclass(cls, _keras.Functional)
+        if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
+            cls = functional_class(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(
+        self,
+        *args,
+        micro_batch_size: int | None = None,
+        accumulation_steps: int | None = None,
+        **kwargs,
+    ):
+        split = _validated_split(micro_batch_size, accumulation_steps)
+        for name, unused in _NOT_ON_JAX.items():
+            if kwargs.get(name, unused) != unused:
+                raise NotImplementedError(_not_on_jax(f"`{name}`", f"{name}={kwargs[name]!r}"))
+            kwargs.pop(name, None)
+        functional = _keras.is_functional_call(args, kwargs)
+        if functional and not isinstance(self, _keras.Functional):
+            object.__setattr__(self, "__class__", functional_class(type(self)))
+        super().__init__(*args, **kwargs)
+        self._split = split
+
+    @classmethod
+    def from_model(
+        cls,
+        model: keras.Model,
+        *,
+        micro_batch_size: int | None = None,
+        accumulation_steps: int | None = None,
+        name: str | None = None,
+        **kwargs,
+    ) -> AccumulatingModel:
+        """Wraps an existing model; the result shares its layers and weights.
+
+        A functional or `Sequential` model is rebuilt as a functional
+        `AccumulatingModel` over the same layers; a subclassed model is called
+        as one layer, so it must have been built (called once) first.
+        """
+        _validated_split(micro_batch_size, accumulation_steps)
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "`model` must be a `keras.Model`. "
+                f"Received: model={model!r} of type {type(model).__name__}"
+            )
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs:
+            shape = _keras.built_input_shape(model) if model.built else None
+            if shape is None:
+                raise ValueError(
+                    "`model` must be built on a single input before it can be "
+                    "wrapped: call it once on a batch (or call "
+                    "`model.build(input_shape)`), or subclass AccumulatingModel "
+                    f"instead. Received: model={model.name!r} (built={model.built})"
+                )
+            inputs = keras.Input(batch_shape=shape)
+            outputs = model(inputs)
+        elif isinstance(model, _keras.Functional):
+            inputs, outputs = _keras.nested_inputs_outputs(model)
+        return cls(
+            inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
+            accumulation_steps=accumulation_steps, **kwargs,
+        )
+
+    # -- the micro-batch setting ------------------------------------------------
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch, or None. Settable; the step is compiled anew."""
+        return self._split[0]
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value):
+        self._set_split(value, "micro_batch_size", "accumulation_steps")
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per batch, or None. Settable; the step is compiled anew."""
+        return self._split[1]
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value):
+        self._set_split(value, "accumulation_steps", "micro_batch_size")
+
+    def _set_split(self, value, name, other):
+        if value is not None and getattr(self, other) is not None:
+            raise ValueError(
+                f"`{name}` and `{other}` are two ways to split a batch, and "
+                f"`{other}` is set ({other}={getattr(self, other)!r}): set "
+                f"`model.{other} = None` first. Received: {name}={value!r}"
+            )
+        self._split = _validated_split(**{name: value, other: None})
+        if self.train_function is not None:
+            self.make_train_function(force=True)
+
+    def micro_batch_size_for(self, batch_size: int) -> int:
+        """The micro-batch size a step on a batch of `batch_size` samples runs with."""
+        size, steps = self._split
+        if size is not None:
+            return min(size, batch_size)
+        return max(1, -(-batch_size // (steps or 1)))
+
+    # -- compile and the step ----------------------------------------------------
+
+    def compile(self, *args, **kwargs):
+        optimizer = kwargs.get("optimizer", args[0] if args else "rmsprop")
+        loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
+        check_reduction(loss, whole_batch_loss=False)
+        _refuse_unsupported(self, optimizer, loss)
+        super().compile(*args, **kwargs)
+
+    def train_step(self, state, data):
+        jax_step.refuse_output_masks(self)
+        return jax_step.train_step(self, self.micro_batch_size_for, state, data)
+
+    def get_config(self):
+        config = super().get_config()
+        return {**config, "micro_batch_size": self.micro_batch_size,
+                "accumulation_steps": self.accumulation_steps}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        split = {name: config.pop(name, None) for name in _SETTING}
+        model = super().from_config(config, custom_objects=custom_objects)
+        model._split = _validated_split(**split)
+        return model
+
+
+def _validated_split(micro_batch_size=None, accumulation_steps=None):
+    """The TensorFlow line's checks (same errors), less what JAX does not take yet."""
+    size, steps = _validation.micro_batch_split(micro_batch_size, accumulation_steps)
+    if size == "auto":
+        raise NotImplementedError(
+            _not_on_jax('`micro_batch_size="auto"` (a search by real steps)',
+                        f"micro_batch_size={micro_batch_size!r}")
+        )
+    if isinstance(size, tuple):
+        raise NotImplementedError(
+            _not_on_jax("one micro-batch size per replica",
+                        f"micro_batch_size={micro_batch_size!r}")
+        )
+    return size, steps
+
+
+def _not_on_jax(feature, received):
+    return (
+        f"AccumulatingModel does not support {feature} on the JAX backend yet; use the "
+        f"TensorFlow backend (KERAS_BACKEND=tensorflow) for it. Received: {received}"
+    )
+
+
+def _refuse_unsupported(model, optimizer, loss):
+    """Refuses, at `compile` (before it changes the model), what the JAX step
+    cannot do exactly yet."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        raise NotImplementedError(
+            _not_on_jax("an overridden `compute_loss`", f"{type(model).__name__}.compute_loss")
+        )
+    if keras.distribution.distribution() is not None:
+        raise NotImplementedError(
+            _not_on_jax("a `keras.distribution`", f"{keras.distribution.distribution()!r}")
+        )
+    for item in keras.tree.flatten(loss):
+        config = item.get_config() if hasattr(item, "get_config") else {}
+        if config.get("ignore_class") is not None:
+            raise NotImplementedError(
+                _not_on_jax("a loss with `ignore_class` (Keras divides it by the classes "
+                            "kept over the whole batch)",
+                            f"ignore_class={config['ignore_class']!r}")
+            )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(
+            "AccumulatingModel accumulates gradients itself; the optimizer's own "
+            "`gradient_accumulation_steps` would accumulate them a second time. Leave it "
+            f"unset. Received: gradient_accumulation_steps={steps!r}"
+        )
+
+
+# The functional form is the one saved and revived, as on the TensorFlow line.
+_keras.register_serializable(package="keras_memopt", name="AccumulatingModel")(
+    functional_class(AccumulatingModel)
+)
