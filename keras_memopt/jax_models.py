@@ -210,6 +210,12 @@ class AccumulatingModel(keras.Model):
         _refuse_unsupported(self, optimizer, loss)
         super().compile(*args, **kwargs)
 
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return
+        super().make_train_function(force)
+        self.train_function = jax_step.restored_on_refusal(self, self.train_function)
+
     def train_step(self, state, data):
         jax_step.refuse_output_masks(self)
         return jax_step.train_step(self, self.micro_batch_size_for, state, data)
@@ -218,6 +224,13 @@ class AccumulatingModel(keras.Model):
         config = super().get_config()
         return {**config, "micro_batch_size": self.micro_batch_size,
                 "accumulation_steps": self.accumulation_steps}
+
+    def compile_from_config(self, config):
+        # Keras skips an overridden `compile` when loading; this one only adds
+        # checks, so a loaded model comes back compiled.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -41,6 +41,30 @@ from keras_memopt._keras import keras
 tree = keras.tree
 
 
+class Refused(NotImplementedError):
+    """What the JAX step cannot do exactly yet, found while it is traced (before
+    it runs): `restored_on_refusal` puts the model's state back."""
+
+
+def restored_on_refusal(model, step_function):
+    """`step_function(state, iterator)` that, when the step is refused while traced,
+    puts `state` (the model's, taken from its variables by Keras's `fit`) back into
+    the variables before raising: the model and optimizer stay as they were."""
+
+    def checked(state, iterator):
+        try:
+            return step_function(state, iterator)
+        except Refused:
+            names = ("trainable_variables", "non_trainable_variables",
+                     "optimizer_variables", "metrics_variables")
+            model._jax_state = dict(zip(names, state, strict=True))
+            model._jax_state_synced = False
+            model.jax_state_sync()
+            raise
+
+    return checked
+
+
 def train_step(model, micro_batch_size, state, data):
     """Keras's JAX `train_step(state, data)` for `model`, in micro-batches of
     `micro_batch_size` samples (an int, or a function of the batch's size)."""
@@ -177,7 +201,7 @@ def refuse_output_masks(model):
         makers = [layer.name for layer in model._flatten_layers() if _makes_masks(layer)]
         found = f"layer(s) {makers} make masks in a subclassed model" if makers else None
     if found:
-        raise NotImplementedError(
+        raise Refused(
             "AccumulatingModel on JAX cannot yet split the loss of an output that "
             "carries a Keras mask (`Embedding(mask_zero=True)` or `Masking` reaching "
             "the output): Keras divides it by the unmasked elements of the whole "
@@ -197,7 +221,7 @@ def refuse_sample_dependent_terms(model, losses):
     not yet found on JAX (the TensorFlow line finds it at the first step)."""
     regularised = sum(1 for v in model.trainable_weights if v.regularizer is not None)
     if len(losses) > regularised:
-        raise NotImplementedError(
+        raise Refused(
             "AccumulatingModel on JAX splits the terms of `model.losses` only where "
             "they are weight regularisers (`kernel_regularizer`, `bias_regularizer`); "
             "terms from `add_loss` or an `activity_regularizer` are not supported on "

@@ -1,0 +1,347 @@
+"""`AccumulatingModel` on Keras 3's JAX backend (keras_memopt.jax_models, _step/jax_step).
+
+Runs where Keras runs on JAX: CI's JAX pass, `KERAS_BACKEND=jax python -m pytest
+tests/test_jax.py` (the TensorFlow passes skip this module). The oracle is plain
+Keras on JAX training the same model from the same weights on the whole batch,
+in float64, compared at 1e-9 (relative, and absolute for values near zero) after
+three epochs of three steps: every weight and every figure `fit` logs.
+"""
+
+import numpy as np
+import pytest
+
+from keras_memopt._keras import BACKEND, keras
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend")
+
+if BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+
+    from keras_memopt import AccumulatingModel
+
+TOLERANCE = 1e-9
+SAMPLES, BATCH = 50, 20  # batches of 20, 20 and 10 samples
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    before = keras.backend.floatx()
+    keras.backend.set_floatx("float64")
+    yield
+    keras.backend.set_floatx(before)
+
+
+def _data(seed=0, features=8, classes=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, features))
+    y = rng.integers(0, classes, SAMPLES)
+    weights = rng.uniform(0.1, 2.0, SAMPLES)
+    return x, y, weights
+
+
+def _mlp(inputs):
+    hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer="l2")(inputs)
+    return keras.layers.Dense(3)(hidden)
+
+
+def _classifier_compile(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(from_logits=True)],
+    )
+
+
+def _functional(cls, **split):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    return cls(inputs, _mlp(inputs), **split)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer="l2")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _subclassed(cls, **split):
+    keras.utils.set_random_seed(1)
+    if cls is keras.Model:
+        model = _Subclassed()
+    else:
+        model = type("AccumulatingSubclassed", (AccumulatingModel, _Subclassed), {})(**split)
+    model(np.zeros((1, 8)))
+    return model
+
+
+def _from_sequential(cls, **split):
+    keras.utils.set_random_seed(1)
+    sequential = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu", kernel_regularizer="l2"),
+        keras.layers.Dense(3),
+    ])
+    return sequential if cls is keras.Model else AccumulatingModel.from_model(sequential, **split)
+
+
+def _fit_both(build, compile_model, fit_args, split, fit_kwargs=None):
+    """Plain Keras at the whole batch and the AccumulatingModel, from the same weights."""
+    plain = build(keras.Model)
+    ours = build(AccumulatingModel, **split)
+    ours.set_weights(plain.get_weights())
+    histories = []
+    for model in (plain, ours):
+        compile_model(model)
+        history = model.fit(*fit_args, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                            **(fit_kwargs or {}))
+        histories.append(history.history)
+    return plain, ours, histories
+
+
+def _assert_same(plain, ours, histories):
+    expected, got = histories
+    assert sorted(expected) == sorted(got)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=TOLERANCE, atol=TOLERANCE,
+                                   err_msg=name)
+    for want, have in zip(plain.get_weights(), ours.get_weights(), strict=True):
+        np.testing.assert_allclose(have, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+class TestExactness:
+    @pytest.mark.parametrize("build", [_functional, _subclassed, _from_sequential])
+    @pytest.mark.parametrize("split", [{"micro_batch_size": 6}, {"accumulation_steps": 3}])
+    def test_classifier_with_sample_weights_matches_the_whole_batch(self, build, split):
+        # 20 -> 6, 6, 6, 2 and the last batch 10 -> 6, 4 (accumulation: 7, 7, 6 and 4, 4, 2).
+        x, y, weights = _data()
+        plain, ours, histories = _fit_both(
+            build, _classifier_compile, (x, y), split, {"sample_weight": weights}
+        )
+        _assert_same(plain, ours, histories)
+        assert ours.micro_batch_size_for(BATCH) == (6 if "micro_batch_size" in split else 7)
+
+    def test_multi_output_with_loss_weights_and_a_summed_loss(self):
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(SAMPLES, 8))
+        targets = {"label": rng.integers(0, 3, SAMPLES), "value": rng.normal(size=(SAMPLES, 2))}
+        weights = {"label": rng.uniform(0.1, 2.0, SAMPLES), "value": rng.uniform(0.1, 2.0, SAMPLES)}
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+            outputs = {
+                "label": keras.layers.Dense(3, name="label")(hidden),
+                "value": keras.layers.Dense(2, name="value")(hidden),
+            }
+            return cls(inputs, outputs, **split)
+
+        def compile_model(model):
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01),
+                loss={
+                    "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    "value": keras.losses.MeanSquaredError(reduction="sum"),
+                },
+                loss_weights={"label": 0.7, "value": 0.3},
+                metrics={"label": ["accuracy"], "value": ["mae"]},
+            )
+
+        plain, ours, histories = _fit_both(
+            build, compile_model, (x, targets), {"micro_batch_size": 6},
+            {"sample_weight": weights},
+        )
+        assert {"label_loss", "value_loss", "label_accuracy", "value_mae"} <= set(histories[0])
+        _assert_same(plain, ours, histories)
+
+    @pytest.mark.parametrize("pooling", ["average", "lstm"])
+    def test_text_model_with_a_mask_consumed_before_the_output(self, pooling):
+        rng = np.random.default_rng(4)
+        lengths = rng.integers(1, 7, SAMPLES)
+        tokens = rng.integers(1, 20, (SAMPLES, 6)) * (np.arange(6) < lengths[:, None])
+        y = rng.integers(0, 2, SAMPLES)
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(5)
+            inputs = keras.Input((6,), dtype="int32")
+            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+            if pooling == "average":
+                pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+            else:
+                pooled = keras.layers.LSTM(5)(embedded)
+            return cls(inputs, keras.layers.Dense(2)(pooled), **split)
+
+        plain, ours, histories = _fit_both(
+            build, _classifier_compile, (tokens, y), {"micro_batch_size": 6}
+        )
+        _assert_same(plain, ours, histories)
+
+
+class TestBatchNormalization:
+    def test_moving_statistics_advance_once_per_micro_batch(self):
+        # Oracle: Keras's own accumulation at a batch of the micro-batch size, which
+        # also normalises each micro-batch alone and updates the statistics per
+        # micro-batch, then applies the mean gradient once (equal micro-batches,
+        # no sample weights: the same update).
+        rng = np.random.default_rng(6)
+        x, y = rng.normal(size=(48, 8)) * 3 + 1, rng.integers(0, 3, 48)
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(7)
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dense(16)(inputs)
+            hidden = keras.layers.BatchNormalization()(hidden)
+            hidden = keras.layers.Activation("relu")(hidden)
+            return cls(inputs, keras.layers.Dense(3)(hidden), **split)
+
+        def compile_model(model, accumulation=None):
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05, momentum=0.9,
+                                               gradient_accumulation_steps=accumulation),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+
+        keras_own, whole, ours = build(keras.Model), build(keras.Model), build(
+            AccumulatingModel, micro_batch_size=4)
+        whole.set_weights(keras_own.get_weights())
+        ours.set_weights(keras_own.get_weights())
+        compile_model(keras_own, accumulation=4)
+        compile_model(whole)
+        compile_model(ours)
+        expected = keras_own.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        got = ours.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        for name in ("loss", "accuracy"):
+            np.testing.assert_allclose(got.history[name], expected.history[name],
+                                       rtol=TOLERANCE, atol=TOLERANCE)
+        for want, have in zip(keras_own.get_weights(), ours.get_weights(), strict=True):
+            np.testing.assert_allclose(have, want, rtol=TOLERANCE, atol=TOLERANCE)
+        # Not the whole batch's statistics: the step did split the batch.
+        moving_mean = ours.layers[2].moving_mean.numpy()
+        assert not np.allclose(moving_mean, whole.layers[2].moving_mean.numpy(), atol=1e-6)
+
+
+def _weights_and_iterations(model):
+    return [w.copy() for w in model.get_weights()], int(model.optimizer.iterations.numpy())
+
+
+class TestRefusals:
+    @pytest.mark.parametrize("split, message", [
+        ({"micro_batch_size": 0}, r"`micro_batch_size` must be a positive integer. "
+                                  r"Received: micro_batch_size=0"),
+        ({"micro_batch_size": "8"}, r"Received: micro_batch_size='8'"),
+        ({"micro_batch_size": 2.0}, r"Received: micro_batch_size=2.0"),
+        ({"micro_batch_size": True}, r"Received: micro_batch_size=True"),
+        ({"accumulation_steps": -1}, r"`accumulation_steps` must be a positive integer"),
+        ({"micro_batch_size": 4, "accumulation_steps": 2}, r"Pass at most one of"),
+    ])
+    def test_bad_settings_get_the_tensorflow_lines_errors(self, split, message):
+        with pytest.raises(ValueError, match=message):
+            _functional(AccumulatingModel, **split)
+        with pytest.raises(ValueError, match=message):
+            AccumulatingModel.from_model(_functional(keras.Model), **split)
+
+    def test_a_bad_setting_leaves_the_setting_as_it_was(self):
+        model = _functional(AccumulatingModel, micro_batch_size=4)
+        with pytest.raises(ValueError, match=r"Received: micro_batch_size=0"):
+            model.micro_batch_size = 0
+        with pytest.raises(ValueError, match=r"set `model.micro_batch_size = None` first"):
+            model.accumulation_steps = 2
+        assert (model.micro_batch_size, model.accumulation_steps) == (4, None)
+
+    @pytest.mark.parametrize("argument", [
+        {"remat": "auto"}, {"whole_batch_loss": True}, {"devices": ["/cpu:0"]},
+        {"device_cuts": "auto"}, {"replica_shares": [1, 1]}, {"micro_batch_size": "auto"},
+        {"micro_batch_size": [2, 2]},
+    ])
+    def test_what_jax_does_not_take_yet_is_named(self, argument):
+        (name, value), = argument.items()
+        with pytest.raises(NotImplementedError, match=rf"on the JAX backend yet.*{name}="):
+            _functional(AccumulatingModel, **argument)
+
+    @pytest.mark.parametrize("compile_kwargs, error, message", [
+        ({"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)},
+         NotImplementedError, r"`ignore_class`.*Received: ignore_class=0"),
+        ({"loss": keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")},
+         ValueError, r"reduction='mean_with_sample_weight'"),
+        ({"loss": "mse", "optimizer": keras.optimizers.SGD(gradient_accumulation_steps=2)},
+         ValueError, r"Received: gradient_accumulation_steps=2"),
+    ] if BACKEND == "jax" else [])
+    def test_losses_and_optimizers_it_cannot_split_are_refused_at_compile(
+        self, compile_kwargs, error, message
+    ):
+        model = _functional(AccumulatingModel, micro_batch_size=4)
+        with pytest.raises(error, match=message):
+            model.compile(**{"optimizer": "sgd", **compile_kwargs})
+        assert not model.compiled
+
+    def test_an_overridden_compute_loss_is_refused_at_compile(self):
+        class OwnLoss(AccumulatingModel):
+            def compute_loss(self, *args, **kwargs):
+                return super().compute_loss(*args, **kwargs)
+
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        model = OwnLoss(inputs, _mlp(inputs), micro_batch_size=4)
+        with pytest.raises(NotImplementedError, match=r"overridden `compute_loss`"):
+            model.compile(optimizer="sgd", loss="mse")
+
+    def _model_with(self, layer_kind):
+        keras.utils.set_random_seed(1)
+        if layer_kind == "masked output":
+            inputs = keras.Input((6,), dtype="int32")
+            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+            outputs = keras.layers.Dense(3)(embedded)
+            data = (np.arange(24).reshape(4, 6) % 5, np.zeros((4, 6), "int64"))
+        else:
+            inputs = keras.Input((8,))
+            regularised = keras.layers.Dense(3, activity_regularizer="l2")
+            outputs = regularised(inputs)
+            data = (np.ones((4, 8)), np.zeros(4, "int64"))
+        model = AccumulatingModel(inputs, outputs, micro_batch_size=2)
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, data
+
+    @pytest.mark.parametrize("layer_kind, message", [
+        ("masked output", r"carries a Keras mask.*Received: output\(s\)"),
+        ("activity regulariser", r"`add_loss` or an `activity_regularizer`"),
+    ])
+    def test_refused_at_the_first_step_before_any_update(self, layer_kind, message):
+        model, data = self._model_with(layer_kind)
+        model.optimizer.build(model.trainable_variables)
+        before, iterations = _weights_and_iterations(model)
+        with pytest.raises(NotImplementedError, match=message):
+            model.fit(*data, batch_size=4, epochs=1, verbose=0)
+        after, iterations_after = _weights_and_iterations(model)
+        assert iterations_after == iterations == 0
+        for old, new in zip(before, after, strict=True):
+            np.testing.assert_array_equal(new, old)
+
+
+class TestImport:
+    def test_the_tensorflow_only_names_say_so(self):
+        import keras_memopt
+
+        assert keras_memopt.__all__ == ["AccumulatingModel"]
+        assert keras_memopt.AccumulatingModel.__module__ == "keras_memopt.jax_models"
+        with pytest.raises(AttributeError, match=r"keras_memopt.Remat is not available on the JAX"):
+            keras_memopt.Remat  # noqa: B018
+
+    def test_a_saved_model_loads_with_its_setting(self, tmp_path):
+        model = _functional(AccumulatingModel, accumulation_steps=3)
+        _classifier_compile(model)
+        model.save(tmp_path / "model.keras")
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+        assert type(loaded).__name__ == "AccumulatingModel"
+        assert (loaded.micro_batch_size, loaded.accumulation_steps) == (None, 3)
+        assert loaded.compiled and loaded.optimizer.built
+        for want, have in zip(model.get_weights(), loaded.get_weights(), strict=True):
+            np.testing.assert_array_equal(have, want)
