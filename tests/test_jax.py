@@ -335,13 +335,56 @@ class TestImport:
         with pytest.raises(AttributeError, match=r"keras_memopt.Remat is not available on the JAX"):
             keras_memopt.Remat  # noqa: B018
 
-    def test_a_saved_model_loads_with_its_setting(self, tmp_path):
+    def test_a_saved_model_loads_with_its_setting_and_trains_on_alike(self, tmp_path):
+        x, y, weights = _data()
         model = _functional(AccumulatingModel, accumulation_steps=3)
         _classifier_compile(model)
+        model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, verbose=0)
         model.save(tmp_path / "model.keras")
         loaded = keras.models.load_model(tmp_path / "model.keras")
         assert type(loaded).__name__ == "AccumulatingModel"
         assert (loaded.micro_batch_size, loaded.accumulation_steps) == (None, 3)
-        assert loaded.compiled and loaded.optimizer.built
-        for want, have in zip(model.get_weights(), loaded.get_weights(), strict=True):
-            np.testing.assert_array_equal(have, want)
+        histories = [
+            m.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0).history
+            for m in (model, loaded)
+        ]
+        _assert_same(model, loaded, histories)
+
+
+def _benchmark(name):
+    """A module of benchmarks/, loaded from its file."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestMemory:
+    def test_the_step_holds_one_micro_batch_and_one_gradient_sum(self):
+        # From XLA's analysis of the compiled step (deterministic; nothing runs it):
+        # at a batch of 1024 in micro-batches of 16, the step holds at most plain
+        # Keras's step at a batch of 16 plus 1.15 W (the sum of the gradients),
+        # less than Keras's own accumulation at 16, and far less than plain
+        # Keras at 1024 (the split is real). Measured, jax 0.10.2 on the CPU, in
+        # MB: temporaries 0.93 against 0.59 (plain at 16), 1.71 (Keras's own)
+        # and 7.65 (plain at 1024), W = 0.57.
+        keras.backend.set_floatx("float32")
+        bench = _benchmark("jax_memory")
+        small = {"features": 32, "width": 256, "depth": 3}
+        plain = bench.step_memory(bench.mlp(**small), 16)
+        keras_own = bench.step_memory(
+            bench.mlp(**small), 16, keras.optimizers.Adam(1e-3, gradient_accumulation_steps=8)
+        )
+        whole = bench.step_memory(bench.mlp(**small), 1024)
+        ours = bench.step_memory(bench.mlp(AccumulatingModel, micro_batch_size=16, **small), 1024)
+        weights = plain["weights"]
+        assert ours["temporaries"] <= plain["temporaries"] + 1.15 * weights
+        assert bench.footprint(ours) <= bench.footprint(plain) + 1.15 * weights
+        assert ours["temporaries"] < keras_own["temporaries"]
+        assert bench.footprint(ours) < bench.footprint(keras_own)
+        assert ours["temporaries"] < whole["temporaries"] / 4
