@@ -14,7 +14,9 @@ four ways (micro-batches of 32):
 - Keras's own accumulation (`Adam(gradient_accumulation_steps=4)`) at 32,
   which takes four `fit` steps per update;
 - `AccumulatingModel(micro_batch_size=32)` at 128: four micro-batches in one
-  step, one update.
+  step, one update;
+- and, for scale, plain Keras and `AccumulatingModel(micro_batch_size=32)`
+  at a batch of 4096 (128 micro-batches).
 
 It prints a Markdown table in MiB (docs/benchmarks.md keeps one). The
 footprint is what the step holds at once: temporaries + arguments + the
@@ -90,6 +92,9 @@ def main():
          step_memory(mlp(), 32, keras.optimizers.Adam(1e-3, gradient_accumulation_steps=4))),
         ("`AccumulatingModel(micro_batch_size=32)`, batch 128",
          step_memory(mlp(AccumulatingModel, micro_batch_size=32), 128)),
+        ("plain Keras, batch 4096", step_memory(mlp(), 4096)),
+        ("`AccumulatingModel(micro_batch_size=32)`, batch 4096",
+         step_memory(mlp(AccumulatingModel, micro_batch_size=32), 4096)),
     ]
     weights = rows[0][1]["weights"]
     print(f"W (trainable weights) = {weights / MIB:.1f} MiB; jax {jax.__version__}, "

@@ -126,6 +126,34 @@ class TestExactness:
         _assert_same(plain, ours, histories)
         assert ours.micro_batch_size_for(BATCH) == (6 if "micro_batch_size" in split else 7)
 
+    @pytest.mark.parametrize("optimizer, compile_kwargs", [
+        ("sgd_momentum", {}),
+        ("adamw", {}),
+        ("loss_scale_sgd", {}),
+        ("adam", {"steps_per_execution": 2}),
+        ("adam", {"jit_compile": False}),
+    ])
+    def test_optimizers_and_steps_per_execution(self, optimizer, compile_kwargs):
+        optimizers = {
+            "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+            "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+            "loss_scale_sgd": lambda: keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.05)),
+            "adam": lambda: keras.optimizers.Adam(0.01),
+        }
+
+        def compile_model(model):
+            model.compile(optimizer=optimizers[optimizer](),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"], **compile_kwargs)
+
+        x, y, weights = _data(seed=8)
+        plain, ours, histories = _fit_both(
+            _functional, compile_model, (x, y), {"micro_batch_size": 6},
+            {"sample_weight": weights},
+        )
+        _assert_same(plain, ours, histories)
+
     def test_multi_output_with_loss_weights_and_a_summed_loss(self):
         rng = np.random.default_rng(2)
         x = rng.normal(size=(SAMPLES, 8))
