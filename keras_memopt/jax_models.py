@@ -217,7 +217,6 @@ class AccumulatingModel(keras.Model):
         self.train_function = jax_step.restored_on_refusal(self, self.train_function)
 
     def train_step(self, state, data):
-        jax_step.refuse_output_masks(self)
         return jax_step.train_step(self, self.micro_batch_size_for, state, data)
 
     def get_config(self):

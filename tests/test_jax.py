@@ -126,6 +126,17 @@ class TestExactness:
         _assert_same(plain, ours, histories)
         assert ours.micro_batch_size_for(BATCH) == (6 if "micro_batch_size" in split else 7)
 
+    @pytest.mark.parametrize("weighted", [False, True])
+    def test_micro_batches_and_a_batch_of_one_sample(self, weighted):
+        # 41 samples in batches of 20: 20 -> 19, 1 and a last batch of one sample.
+        x, y, weights = _data(seed=12)
+        x, y, weights = x[:41], y[:41], weights[:41]
+        plain, ours, histories = _fit_both(
+            _functional, _classifier_compile, (x, y), {"micro_batch_size": 19},
+            {"sample_weight": weights if weighted else None},
+        )
+        _assert_same(plain, ours, histories)
+
     @pytest.mark.parametrize("optimizer, compile_kwargs", [
         ("sgd_momentum", {}),
         ("adamw", {}),
@@ -352,6 +363,48 @@ class TestRefusals:
         assert iterations_after == iterations == 0
         for old, new in zip(before, after, strict=True):
             np.testing.assert_array_equal(new, old)
+
+
+    def test_what_cannot_be_split_trains_when_the_batch_is_one_micro_batch(self):
+        # A masked output's loss and an activity regulariser, refused above where the
+        # batch is split, are the whole batch's when it is not.
+        rng = np.random.default_rng(9)
+        tokens = rng.integers(0, 20, (SAMPLES, 6))
+        y = rng.integers(0, 3, (SAMPLES, 6))
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(10)
+            inputs = keras.Input((6,), dtype="int32")
+            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+            outputs = keras.layers.Dense(3, activity_regularizer="l2")(embedded)
+            return cls(inputs, outputs, **split)
+
+        plain, ours, histories = _fit_both(
+            build, _classifier_compile, (tokens, y), {"micro_batch_size": BATCH}
+        )
+        _assert_same(plain, ours, histories)
+
+
+class TestSetting:
+    def test_a_new_micro_batch_size_between_epochs_keeps_the_update(self):
+        x, y, weights = _data(seed=11)
+        plain = _functional(keras.Model)
+        ours = _functional(AccumulatingModel, micro_batch_size=6)
+        ours.set_weights(plain.get_weights())
+        histories = [{}, {}]
+        for model, history in zip((plain, ours), histories, strict=True):
+            _classifier_compile(model)
+            for size in (6, None, 3):
+                if model is ours:
+                    model.micro_batch_size = None
+                    model.accumulation_steps = None
+                    model.micro_batch_size = size
+                    assert model.micro_batch_size_for(BATCH) == (size or BATCH)
+                logs = model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1,
+                                 shuffle=False, verbose=0).history
+                for name, values in logs.items():
+                    history.setdefault(name, []).extend(values)
+        _assert_same(plain, ours, histories)
 
 
 class TestImport:

@@ -74,6 +74,11 @@ def train_step(model, micro_batch_size, state, data):
     m = micro_batch_size(size) if callable(micro_batch_size) else micro_batch_size
     m = max(1, min(m, size))
     steps, rest = divmod(size, m)
+    # One micro-batch is the whole batch, its share one whatever the loss: what
+    # cannot be split yet is refused only where the batch is split.
+    splits = steps + bool(rest) > 1
+    if splits:
+        refuse_output_masks(model)
     grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
 
     def micro(non_trainable, part):
@@ -81,7 +86,7 @@ def train_step(model, micro_batch_size, state, data):
         n = batch_size_of(xs)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
-            xs, ys, ws, n / size,
+            xs, ys, ws, n / size, splits,
         )
         unscaled, y_pred, non_trainable, trackers = aux
         return non_trainable, (grads, unscaled, trackers), y_pred
@@ -115,7 +120,7 @@ def train_step(model, micro_batch_size, state, data):
 
 
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,
-                x, y, sample_weight, share):
+                x, y, sample_weight, share, splits):
     """A micro-batch's share of the batch's loss (scaled as the optimizer scales it)
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
     `compute_loss_and_updates` with the share in the sample weights and the terms."""
@@ -123,7 +128,8 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     y_pred, non_trainable, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
-    refuse_sample_dependent_terms(model, losses)
+    if splits:
+        refuse_sample_dependent_terms(model, losses)
     weights = output_weights(model, y_pred, sample_weight, share)
     saved = model._losses_override
     if losses:
@@ -156,7 +162,6 @@ def output_weights(model, y_pred, sample_weight, share):
     flat = tree.flatten(y_pred)
     summed = summed_outputs(model) or (False,) * len(flat)
     shares = [1.0 if sums else share for sums in summed]
-    n = batch_size_of(flat)
     if tree.is_nested(sample_weight):
         user = tree.flatten(sample_weight)
     else:
@@ -167,16 +172,17 @@ def output_weights(model, y_pred, sample_weight, share):
             f"output; the model has {len(flat)} output(s). Received: "
             f"{len(user)} sample weight(s) for {len(shares)} loss(es)"
         )
-    weights = [_scaled(w, s, n) for w, s in zip(user, shares, strict=True)]
+    weights = [_scaled(w, s) for w, s in zip(user, shares, strict=True)]
     return tree.pack_sequence_as(y_pred, weights) if tree.is_nested(y_pred) else weights[0]
 
 
-def _scaled(sample_weight, share, n):
-    """`sample_weight * share`, per sample (Keras's float type or the weight's, the
-    wider), or `share` for each of the `n` samples where there is no weight."""
+def _scaled(sample_weight, share):
+    """`sample_weight * share` (Keras's float type or the weight's, the wider), or
+    `share` where there is no weight: one scalar, which Keras broadcasts onto any
+    loss shape (a sequence's, with its mask), as the TensorFlow line does."""
     dtype = jnp.dtype(keras.backend.floatx())
     if sample_weight is None:
-        return jnp.full((n,), share, dtype)
+        return jnp.asarray(share, dtype)
     weight = jnp.asarray(sample_weight)
     if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
         dtype = weight.dtype
@@ -206,8 +212,8 @@ def refuse_output_masks(model):
             "carries a Keras mask (`Embedding(mask_zero=True)` or `Masking` reaching "
             "the output): Keras divides it by the unmasked elements of the whole "
             "batch. Consume the mask before the output (a pooling layer) in a "
-            "functional model, use the TensorFlow backend, or leave "
-            f"`micro_batch_size` and `accumulation_steps` unset. Received: {found}"
+            "functional model, use the TensorFlow backend, or a micro-batch as large as "
+            f"the batch. Received: {found}"
         )
 
 
