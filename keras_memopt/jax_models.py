@@ -52,10 +52,10 @@ class AccumulatingModel(keras.Model):
     Not yet on JAX (refused, naming the feature, before any update):
     `remat`, `replica_shares`, `devices`, `device_cuts`,
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
-    replica, an output carrying a Keras mask, a loss with `ignore_class`,
+    replica, an output carrying a Keras mask (where the batch is split),
     terms of `model.losses` other than weight regularisers (`add_loss`,
-    activity regularisers), an overridden `compute_loss`, a
-    `keras.distribution`, and an optimizer with its own
+    activity regularisers; also where it is split), an overridden
+    `compute_loss`, a `keras.distribution`, and an optimizer with its own
     `gradient_accumulation_steps`.
 
     Args:
@@ -274,14 +274,6 @@ def _refuse_unsupported(model, optimizer, loss):
         raise NotImplementedError(
             _not_on_jax("a `keras.distribution`", f"{keras.distribution.distribution()!r}")
         )
-    for item in keras.tree.flatten(loss):
-        config = item.get_config() if hasattr(item, "get_config") else {}
-        if config.get("ignore_class") is not None:
-            raise NotImplementedError(
-                _not_on_jax("a loss with `ignore_class` (Keras divides it by the classes "
-                            "kept over the whole batch)",
-                            f"ignore_class={config['ignore_class']!r}")
-            )
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if steps:
         raise ValueError(

@@ -13,10 +13,13 @@ applies once.
 The shares (as on the TensorFlow line, `keras_memopt._step.losses`): Keras
 divides a `"sum_over_batch_size"` loss by the number of values (not by the
 sum of the sample weights), so a micro-batch's loss, scaled by `n_i / N`, is
-its part of the batch's; a loss with `reduction="sum"` is divided by nothing,
-so its parts add up unscaled. The shares reach Keras's own loss container as
-sample weights (the user's, times the share), so `loss_weights`, class and
-sample weights stay Keras's. The terms of `model.losses` that this step takes
+its part of the batch's; a loss with `ignore_class` is divided by the target
+elements it keeps, so a micro-batch's share is its count of them over the
+batch's (counted from the targets before the loop); a loss with
+`reduction="sum"` is divided by nothing, so its parts add up unscaled. The
+shares reach Keras's own loss container as sample weights (the user's, times
+the share), so `loss_weights`, class and sample weights stay Keras's. The
+terms of `model.losses` that this step takes where it splits the batch
 (weight regularisers) do not depend on the samples: each micro-batch adds
 `n_i / N` of them.
 
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 
 from keras_memopt import _keras
 from keras_memopt._keras import keras
+from keras_memopt._step.loss_check import ignore_classes, summed_outputs
 
 tree = keras.tree
 
@@ -80,13 +84,14 @@ def train_step(model, micro_batch_size, state, data):
     if splits:
         refuse_output_masks(model)
     grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
+    kept = _kept_counts(model, y)
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        n = batch_size_of(xs)
+        shares = output_shares(model, ys, batch_size_of(xs) / size, kept)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
-            xs, ys, ws, n / size, splits,
+            xs, ys, ws, shares, splits,
         )
         unscaled, y_pred, non_trainable, trackers = aux
         return non_trainable, (grads, unscaled, trackers), y_pred
@@ -120,7 +125,7 @@ def train_step(model, micro_batch_size, state, data):
 
 
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,
-                x, y, sample_weight, share, splits):
+                x, y, sample_weight, shares, splits):
     """A micro-batch's share of the batch's loss (scaled as the optimizer scales it)
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
     `compute_loss_and_updates` with the share in the sample weights and the terms."""
@@ -130,10 +135,10 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     )
     if splits:
         refuse_sample_dependent_terms(model, losses)
-    weights = output_weights(model, y_pred, sample_weight, share)
+    weights = output_weights(y_pred, sample_weight, shares)
     saved = model._losses_override
     if losses:
-        model._losses_override = [term * share for term in losses]
+        model._losses_override = [term * shares.samples for term in losses]
     try:
         loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_variables,
@@ -149,19 +154,62 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     return loss, (unscaled, y_pred, non_trainable, trackers)
 
 
-def output_weights(model, y_pred, sample_weight, share):
-    """The sample weights that carry each output's share of the batch's loss.
+class Shares(list):
+    """Each flat output's share of the batch's loss, and `samples`, the
+    micro-batch's share of the samples (`n_i / N`, also the terms')."""
 
-    `share` (`n_i / N`) for outputs whose loss averages over the samples, one
-    for those whose loss sums over them (`reduction="sum"`); times the user's
-    sample weights, one array for every output or one per output as Keras
-    pairs them (by the outputs' structure).
+    def __init__(self, shares, samples):
+        super().__init__(shares)
+        self.samples = samples
+
+
+def output_shares(model, y, samples, kept):
+    """A micro-batch's share of each flat output's loss (its targets `y`).
+
+    Keras divides an output's loss by what it counts in the batch: the
+    samples (share `n_i / N`), or, for a loss with `ignore_class`, the target
+    elements not ignored (share: the micro-batch's count over the batch's,
+    `kept`); a loss with `reduction="sum"` is divided by nothing (share one).
     """
-    from keras_memopt._step.loss_check import summed_outputs
+    classes = ignore_classes(model, y) or (None,) * len(kept)
+    summed = summed_outputs(model, y) or (False,) * len(kept)
+    targets = _flat_targets(y, len(kept))
+    shares = []
+    for target, ignored, sums, total in zip(targets, classes, summed, kept, strict=True):
+        if sums:
+            shares.append(1.0)
+        elif ignored is not None:
+            count = jnp.sum(target != ignored).astype(total.dtype)
+            shares.append(jnp.where(total > 0, count / jnp.where(total > 0, total, 1), 0))
+        else:
+            shares.append(samples)
+    return Shares(shares, samples)
 
+
+def _kept_counts(model, y):
+    """Per flat output, the batch's target elements its loss does not ignore
+    (None where it counts samples)."""
+    classes = ignore_classes(model, y) or (None,) * max(len(tree.flatten(y)), 1)
+    targets = _flat_targets(y, len(classes))
+    dtype = jnp.result_type(float)
+    return [None if ignored is None else jnp.sum(target != ignored).astype(dtype)
+            for target, ignored in zip(targets, classes, strict=True)]
+
+
+def _flat_targets(y, outputs):
+    """The targets of each flat output (as Keras pairs them for the usual structures)."""
+    if not tree.is_nested(y):
+        return [y] * outputs
+    flat = tree.flatten(y)
+    return flat if len(flat) == outputs else [None] * outputs
+
+
+def output_weights(y_pred, sample_weight, shares):
+    """The sample weights that carry each output's share of the batch's loss
+    (`shares`, see `output_shares`): the user's sample weights, one array for
+    every output or one per output as Keras pairs them (by the outputs'
+    structure), times the share."""
     flat = tree.flatten(y_pred)
-    summed = summed_outputs(model) or (False,) * len(flat)
-    shares = [1.0 if sums else share for sums in summed]
     if tree.is_nested(sample_weight):
         user = tree.flatten(sample_weight)
     else:
