@@ -52,9 +52,10 @@ class AccumulatingModel(keras.Model):
     Not yet on JAX (refused, naming the feature, before any update):
     `remat`, `replica_shares`, `devices`, `device_cuts`,
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
-    replica, an output carrying a Keras mask (where the batch is split),
-    terms of `model.losses` other than weight regularisers (`add_loss`,
-    activity regularisers; also where it is split), an overridden
+    replica, a Keras mask on an output of a subclassed model or made with
+    the model's weights (where the batch is split), terms of `model.losses`
+    other than weight regularisers (`add_loss`, activity regularisers; also
+    where it is split), an overridden
     `compute_loss`, a `keras.distribution`, and an optimizer with its own
     `gradient_accumulation_steps`.
 

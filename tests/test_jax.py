@@ -230,6 +230,37 @@ class TestExactness:
         )
         _assert_same(plain, ours, histories)
 
+    @pytest.mark.parametrize("ignore_class", [None, 2])
+    def test_a_masked_sequence_output_counts_its_unmasked_steps(self, ignore_class):
+        # Keras divides a masked output's loss by its unmasked elements (and not
+        # ignored: both), uneven over micro-batches: a tagger.
+        rng = np.random.default_rng(15)
+        lengths = rng.integers(0, 7, SAMPLES)
+        lengths[:6] = 0  # a micro-batch with nothing unmasked
+        tokens = rng.integers(1, 20, (SAMPLES, 6)) * (np.arange(6) < lengths[:, None])
+        tags = rng.integers(0, 3, (SAMPLES, 6))
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(16)
+            inputs = keras.Input((6,), dtype="int32")
+            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+            hidden = keras.layers.LSTM(5, return_sequences=True)(embedded)
+            return cls(inputs, keras.layers.Dense(3)(hidden), **split)
+
+        def compile_model(model):
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, ignore_class=ignore_class),
+                metrics=["accuracy"],
+            )
+
+        plain, ours, histories = _fit_both(
+            build, compile_model, (tokens, tags), {"micro_batch_size": 6},
+            {"sample_weight": rng.uniform(0.1, 2.0, tags.shape)},
+        )
+        _assert_same(plain, ours, histories)
+
     @pytest.mark.parametrize("pooling", ["average", "lstm"])
     def test_text_model_with_a_mask_consumed_before_the_output(self, pooling):
         rng = np.random.default_rng(4)
@@ -363,23 +394,30 @@ class TestRefusals:
 
     def _model_with(self, layer_kind):
         keras.utils.set_random_seed(1)
-        if layer_kind == "masked output":
-            inputs = keras.Input((6,), dtype="int32")
-            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
-            outputs = keras.layers.Dense(3)(embedded)
-            data = (np.arange(24).reshape(4, 6) % 5, np.zeros((4, 6), "int64"))
+        tokens = (np.arange(24).reshape(4, 6) % 5, np.zeros((4, 6), "int64"))
+        if layer_kind == "subclassed mask":
+            model = type("Tagger", (AccumulatingModel,), {
+                "__init__": _tagger_init, "call": _tagger_call})(micro_batch_size=2)
+            model(tokens[0])
+            data = tokens
+        elif layer_kind == "mask from weights":
+            inputs = keras.Input((6, 4))
+            hidden = keras.layers.Dense(4)(inputs)
+            outputs = keras.layers.Dense(3)(keras.layers.Masking(0.0)(hidden))
+            model = AccumulatingModel(inputs, outputs, micro_batch_size=2)
+            data = (np.ones((4, 6, 4)), np.zeros((4, 6), "int64"))
         else:
             inputs = keras.Input((8,))
             regularised = keras.layers.Dense(3, activity_regularizer="l2")
-            outputs = regularised(inputs)
+            model = AccumulatingModel(inputs, regularised(inputs), micro_batch_size=2)
             data = (np.ones((4, 8)), np.zeros(4, "int64"))
-        model = AccumulatingModel(inputs, outputs, micro_batch_size=2)
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model, data
 
     @pytest.mark.parametrize("layer_kind, message", [
-        ("masked output", r"carries a Keras mask.*Received: output\(s\)"),
+        ("subclassed mask", r"mask.*Received: layer\(s\) \['embedding.*subclassed model"),
+        ("mask from weights", r"mask.*Received: the masks of the outputs need the weights"),
         ("activity regulariser", r"`add_loss` or an `activity_regularizer`"),
     ])
     def test_refused_at_the_first_step_before_any_update(self, layer_kind, message):
@@ -392,7 +430,6 @@ class TestRefusals:
         assert iterations_after == iterations == 0
         for old, new in zip(before, after, strict=True):
             np.testing.assert_array_equal(new, old)
-
 
     def test_what_cannot_be_split_trains_when_the_batch_is_one_micro_batch(self):
         # A masked output's loss and an activity regulariser, refused above where the
@@ -412,6 +449,16 @@ class TestRefusals:
             build, _classifier_compile, (tokens, y), {"micro_batch_size": BATCH}
         )
         _assert_same(plain, ours, histories)
+
+
+def _tagger_init(self, **kwargs):
+    AccumulatingModel.__init__(self, **kwargs)
+    self.embedding = keras.layers.Embedding(20, 4, mask_zero=True)
+    self.out = keras.layers.Dense(3)
+
+
+def _tagger_call(self, tokens):
+    return self.out(self.embedding(tokens))
 
 
 class TestSetting:

@@ -10,18 +10,12 @@ of its exact share of the batch's loss; the shares add up, in the gradients'
 own dtype, to the whole batch's gradient, which `optimizer.stateless_apply`
 applies once.
 
-The shares (as on the TensorFlow line, `keras_memopt._step.losses`): Keras
-divides a `"sum_over_batch_size"` loss by the number of values (not by the
-sum of the sample weights), so a micro-batch's loss, scaled by `n_i / N`, is
-its part of the batch's; a loss with `ignore_class` is divided by the target
-elements it keeps, so a micro-batch's share is its count of them over the
-batch's (counted from the targets before the loop); a loss with
-`reduction="sum"` is divided by nothing, so its parts add up unscaled. The
-shares reach Keras's own loss container as sample weights (the user's, times
-the share), so `loss_weights`, class and sample weights stay Keras's. The
-terms of `model.losses` that this step takes where it splits the batch
-(weight regularisers) do not depend on the samples: each micro-batch adds
-`n_i / N` of them.
+Each micro-batch's share of the batch's loss (`keras_memopt._step.jax_shares`)
+reaches Keras's own loss container as sample weights (the user's, times the
+share), so `loss_weights`, class and sample weights, masks and ignored
+classes stay Keras's. The terms of `model.losses` that this step takes where
+it splits the batch (weight regularisers) do not depend on the samples: each
+micro-batch adds `n_i / N` of them.
 
 What the loop changes besides the gradient: layers' non-trainable state
 (BatchNormalization's moving statistics, seed generators) is carried from
@@ -38,16 +32,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from keras_memopt import _keras
 from keras_memopt._keras import keras
-from keras_memopt._step.loss_check import ignore_classes, summed_outputs
+from keras_memopt._step.jax_shares import Counter, Refused, output_weights
 
 tree = keras.tree
-
-
-class Refused(NotImplementedError):
-    """What the JAX step cannot do exactly yet, found while it is traced (before
-    it runs): `restored_on_refusal` puts the model's state back."""
 
 
 def restored_on_refusal(model, step_function):
@@ -81,14 +69,13 @@ def train_step(model, micro_batch_size, state, data):
     # One micro-batch is the whole batch, its share one whatever the loss: what
     # cannot be split yet is refused only where the batch is split.
     splits = steps + bool(rest) > 1
-    if splits:
-        refuse_output_masks(model)
+    counter = Counter(model, y, splits)
+    counts = counter.totals(x, y)
     grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
-    kept = _kept_counts(model, y)
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        shares = output_shares(model, ys, batch_size_of(xs) / size, kept)
+        shares = counter.shares(xs, ys, batch_size_of(xs) / size, counts)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
             xs, ys, ws, shares, splits,
@@ -152,121 +139,6 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     with keras.StatelessScope(state_mapping=mapping):
         loss = model.optimizer.scale_loss(loss)
     return loss, (unscaled, y_pred, non_trainable, trackers)
-
-
-class Shares(list):
-    """Each flat output's share of the batch's loss, and `samples`, the
-    micro-batch's share of the samples (`n_i / N`, also the terms')."""
-
-    def __init__(self, shares, samples):
-        super().__init__(shares)
-        self.samples = samples
-
-
-def output_shares(model, y, samples, kept):
-    """A micro-batch's share of each flat output's loss (its targets `y`).
-
-    Keras divides an output's loss by what it counts in the batch: the
-    samples (share `n_i / N`), or, for a loss with `ignore_class`, the target
-    elements not ignored (share: the micro-batch's count over the batch's,
-    `kept`); a loss with `reduction="sum"` is divided by nothing (share one).
-    """
-    classes = ignore_classes(model, y) or (None,) * len(kept)
-    summed = summed_outputs(model, y) or (False,) * len(kept)
-    targets = _flat_targets(y, len(kept))
-    shares = []
-    for target, ignored, sums, total in zip(targets, classes, summed, kept, strict=True):
-        if sums:
-            shares.append(1.0)
-        elif ignored is not None:
-            count = jnp.sum(target != ignored).astype(total.dtype)
-            shares.append(jnp.where(total > 0, count / jnp.where(total > 0, total, 1), 0))
-        else:
-            shares.append(samples)
-    return Shares(shares, samples)
-
-
-def _kept_counts(model, y):
-    """Per flat output, the batch's target elements its loss does not ignore
-    (None where it counts samples)."""
-    classes = ignore_classes(model, y) or (None,) * max(len(tree.flatten(y)), 1)
-    targets = _flat_targets(y, len(classes))
-    dtype = jnp.result_type(float)
-    return [None if ignored is None else jnp.sum(target != ignored).astype(dtype)
-            for target, ignored in zip(targets, classes, strict=True)]
-
-
-def _flat_targets(y, outputs):
-    """The targets of each flat output (as Keras pairs them for the usual structures)."""
-    if not tree.is_nested(y):
-        return [y] * outputs
-    flat = tree.flatten(y)
-    return flat if len(flat) == outputs else [None] * outputs
-
-
-def output_weights(y_pred, sample_weight, shares):
-    """The sample weights that carry each output's share of the batch's loss
-    (`shares`, see `output_shares`): the user's sample weights, one array for
-    every output or one per output as Keras pairs them (by the outputs'
-    structure), times the share."""
-    flat = tree.flatten(y_pred)
-    if tree.is_nested(sample_weight):
-        user = tree.flatten(sample_weight)
-    else:
-        user = [sample_weight] * len(flat)
-    if len(user) != len(flat) or len(shares) != len(flat):
-        raise ValueError(
-            "AccumulatingModel on JAX pairs one sample weight and one loss with each "
-            f"output; the model has {len(flat)} output(s). Received: "
-            f"{len(user)} sample weight(s) for {len(shares)} loss(es)"
-        )
-    weights = [_scaled(w, s) for w, s in zip(user, shares, strict=True)]
-    return tree.pack_sequence_as(y_pred, weights) if tree.is_nested(y_pred) else weights[0]
-
-
-def _scaled(sample_weight, share):
-    """`sample_weight * share` (Keras's float type or the weight's, the wider), or
-    `share` where there is no weight: one scalar, which Keras broadcasts onto any
-    loss shape (a sequence's, with its mask), as the TensorFlow line does."""
-    dtype = jnp.dtype(keras.backend.floatx())
-    if sample_weight is None:
-        return jnp.asarray(share, dtype)
-    weight = jnp.asarray(sample_weight)
-    if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
-        dtype = weight.dtype
-    return weight.astype(dtype) * jnp.asarray(share, dtype)
-
-
-def refuse_output_masks(model):
-    """Refuses, while the step is traced (before any update), an output that may
-    carry a Keras mask.
-
-    Keras divides such an output's loss by its unmasked elements over the
-    whole batch, which needs the batch's count before the loop: the
-    TensorFlow line has it, this JAX step does not yet. A functional model's
-    outputs say whether they carry one; a subclassed model with a layer that
-    makes masks (`Embedding(mask_zero=True)`, `Masking`) is refused, as its
-    outputs do not say.
-    """
-    if isinstance(model, _keras.Functional):
-        masked = [t for t in model.outputs if getattr(t, "_keras_mask", None) is not None]
-        found = f"output(s) {[t.name for t in masked]} carry a mask" if masked else None
-    else:
-        makers = [layer.name for layer in model._flatten_layers() if _makes_masks(layer)]
-        found = f"layer(s) {makers} make masks in a subclassed model" if makers else None
-    if found:
-        raise Refused(
-            "AccumulatingModel on JAX cannot yet split the loss of an output that "
-            "carries a Keras mask (`Embedding(mask_zero=True)` or `Masking` reaching "
-            "the output): Keras divides it by the unmasked elements of the whole "
-            "batch. Consume the mask before the output (a pooling layer) in a "
-            "functional model, use the TensorFlow backend, or a micro-batch as large as "
-            f"the batch. Received: {found}"
-        )
-
-
-def _makes_masks(layer):
-    return getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
 
 
 def refuse_sample_dependent_terms(model, losses):

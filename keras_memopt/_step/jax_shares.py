@@ -1,0 +1,191 @@
+"""Each micro-batch's share of the batch's loss, on JAX (the step: `jax_step`).
+
+Keras divides each output's loss by what it counts in the batch, so a
+micro-batch's loss, run alone, is divided by its own count; times its count
+over the batch's, it is its exact part of the batch's loss (as on the
+TensorFlow line, `keras_memopt._step.losses`):
+
+- the samples (`"sum_over_batch_size"`, Keras's default: it divides by the
+  number of values, not by the sum of the sample weights): `n_i / N`;
+- the elements it keeps, where the output carries a Keras mask
+  (`Embedding(mask_zero=True)` reaching it) or its loss has `ignore_class`
+  (both: the elements kept by both): the micro-batch's count over the
+  batch's, counted before the loop;
+- nothing (`reduction="sum"`; a mask or an ignored class only drops
+  elements): one.
+
+A functional model's outputs say which carry a mask, and the mask is a
+function of the inputs (`Embedding`'s `inputs != 0`): `Counter` builds that
+function as a functional model of its own from the model's symbolic outputs,
+and refuses a mask that needs the model's weights to compute (a `Masking`
+layer after a trained layer). A subclassed model's outputs do not say: one
+with a layer that makes masks is refused where the batch is split.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax.numpy as jnp
+
+from keras_memopt import _keras
+from keras_memopt._keras import keras
+from keras_memopt._step.loss_check import ignore_classes, summed_outputs
+
+tree = keras.tree
+
+_MASK_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Refused(NotImplementedError):
+    """What the JAX step cannot do exactly yet, found while it is traced (before
+    it runs): `jax_step.restored_on_refusal` puts the model's state back."""
+
+
+class Shares(list):
+    """Each flat output's share of the batch's loss, and `samples`, the
+    micro-batch's share of the samples (`n_i / N`, also the terms')."""
+
+    def __init__(self, shares, samples):
+        super().__init__(shares)
+        self.samples = samples
+
+
+class Counter:
+    """What Keras divides each flat output of `model` by, for targets shaped as `y`.
+
+    Args:
+        model: the `AccumulatingModel`.
+        y: the batch's targets (their structure pairs them with the outputs).
+        splits: bool, whether the batch is split (where it is not, a micro-batch
+            is the whole batch, its shares all one, and nothing is refused).
+    """
+
+    def __init__(self, model, y, splits):
+        outputs = max(len(tree.flatten(y)), 1)
+        self.classes = ignore_classes(model, y) or (None,) * outputs
+        self.summed = summed_outputs(model, y) or (False,) * outputs
+        self.masks = _mask_model(model) if splits else None
+
+    def counted(self, x, y) -> list:
+        """Per flat output, the elements its loss keeps (booleans), or None where
+        it counts samples."""
+        masks = [None] * len(self.classes)
+        if self.masks is not None:
+            computed, _ = self.masks.stateless_call([], [], x)
+            masks = _with_gaps(self.masks.kept, tree.flatten(computed))
+        counted = []
+        for mask, target, ignored in zip(
+            masks, _flat_targets(y, len(self.classes)), self.classes, strict=True
+        ):
+            if ignored is not None:
+                kept = target != ignored
+                mask = kept if mask is None else mask & jnp.reshape(kept, mask.shape)
+            counted.append(mask)
+        return counted
+
+    def totals(self, x, y) -> list:
+        """The whole batch's counts (`counted`, summed)."""
+        dtype = jnp.result_type(float)
+        return [None if c is None else jnp.sum(c).astype(dtype) for c in self.counted(x, y)]
+
+    def shares(self, x, y, samples, totals) -> Shares:
+        """A micro-batch's (inputs `x`, targets `y`) share of each output's loss:
+        `samples` (`n_i / N`), its count over the batch's `totals`, or one."""
+        shares = []
+        for counted, sums, total in zip(self.counted(x, y), self.summed, totals, strict=True):
+            if sums:
+                shares.append(1.0)
+            elif counted is not None:
+                count = jnp.sum(counted).astype(total.dtype)
+                shares.append(jnp.where(total > 0, count / jnp.where(total > 0, total, 1), 0))
+            else:
+                shares.append(samples)
+        return Shares(shares, samples)
+
+
+def _mask_model(model):
+    """A functional model from `model`'s inputs to the masks of its outputs
+    (`kept`: which flat outputs have one), or None where none has one."""
+    if model in _MASK_MODELS:
+        return _MASK_MODELS[model]
+    if not isinstance(model, _keras.Functional):
+        makers = [layer.name for layer in model._flatten_layers() if _makes_masks(layer)]
+        if makers:
+            raise Refused(_masks_refused(f"layer(s) {makers} make masks in a subclassed model"))
+        return None
+    masks = [getattr(t, "_keras_mask", None) for t in tree.flatten(model.outputs)]
+    if all(mask is None for mask in masks):
+        _MASK_MODELS[model] = None
+        return None
+    inputs = _keras.nested_inputs_outputs(model)[0]
+    masks_model = keras.Model(inputs, [mask for mask in masks if mask is not None])
+    if masks_model.weights:
+        raise Refused(_masks_refused(
+            f"the masks of the outputs need the weights of layer(s) "
+            f"{[layer.name for layer in masks_model.layers if layer.weights]}"
+        ))
+    masks_model.kept = [mask is not None for mask in masks]
+    _MASK_MODELS[model] = masks_model
+    return masks_model
+
+
+def _masks_refused(found):
+    return (
+        "AccumulatingModel on JAX cannot yet split the loss of this output's mask: Keras "
+        "divides the loss by the unmasked elements of the whole batch, which the step "
+        "counts before the loop from a functional model's inputs. Build the model "
+        "functionally with the mask made from the inputs (`Embedding(mask_zero=True)`), "
+        "use the TensorFlow backend, or a micro-batch as large as the batch. "
+        f"Received: {found}"
+    )
+
+
+def _makes_masks(layer):
+    return getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
+
+
+def _with_gaps(kept, values):
+    """`values` placed where `kept` is True, None elsewhere."""
+    values = iter(values)
+    return [next(values) if keep else None for keep in kept]
+
+
+def _flat_targets(y, outputs):
+    """The targets of each flat output (as Keras pairs them for the usual structures)."""
+    if not tree.is_nested(y):
+        return [y] * outputs
+    flat = tree.flatten(y)
+    return flat if len(flat) == outputs else [None] * outputs
+
+
+def output_weights(y_pred, sample_weight, shares):
+    """The sample weights that carry each output's share of the batch's loss
+    (`shares`): the user's sample weights, one array for every output or one
+    per output as Keras pairs them (by the outputs' structure), times the share."""
+    flat = tree.flatten(y_pred)
+    if tree.is_nested(sample_weight):
+        user = tree.flatten(sample_weight)
+    else:
+        user = [sample_weight] * len(flat)
+    if len(user) != len(flat) or len(shares) != len(flat):
+        raise ValueError(
+            "AccumulatingModel on JAX pairs one sample weight and one loss with each "
+            f"output; the model has {len(flat)} output(s). Received: "
+            f"{len(user)} sample weight(s) for {len(shares)} loss(es)"
+        )
+    weights = [_scaled(w, s) for w, s in zip(user, shares, strict=True)]
+    return tree.pack_sequence_as(y_pred, weights) if tree.is_nested(y_pred) else weights[0]
+
+
+def _scaled(sample_weight, share):
+    """`sample_weight * share` (Keras's float type or the weight's, the wider), or
+    `share` where there is no weight: one scalar, which Keras broadcasts onto any
+    loss shape (a sequence's, with its mask), as the TensorFlow line does."""
+    dtype = jnp.dtype(keras.backend.floatx())
+    if sample_weight is None:
+        return jnp.asarray(share, dtype)
+    weight = jnp.asarray(sample_weight)
+    if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
+        dtype = weight.dtype
+    return weight.astype(dtype) * jnp.asarray(share, dtype)
