@@ -17,6 +17,14 @@ from keras_memopt._step.losses import check_reduction
 
 __all__ = ["AccumulatingModel"]
 
+if _keras.BACKEND != "jax":
+    # Its class would replace the TensorFlow one in Keras's registry of saved classes.
+    raise ImportError(
+        "keras_memopt.jax_models is AccumulatingModel for Keras 3's JAX backend, and "
+        "Keras runs on another here: use `keras_memopt.AccumulatingModel`, which is "
+        f"this backend's. Received: backend={_keras.BACKEND!r}"
+    )
+
 _SETTING = ("micro_batch_size", "accumulation_steps")
 
 keras = _keras.keras
