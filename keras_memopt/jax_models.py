@@ -11,19 +11,21 @@ update.
 from __future__ import annotations
 
 from keras_memopt import _keras, _validation
-from keras_memopt._serialization import functional_class
-from keras_memopt._step import jax_step
-from keras_memopt._step.losses import check_reduction
-
-__all__ = ["AccumulatingModel"]
 
 if _keras.BACKEND != "jax":
-    # Its class would replace the TensorFlow one in Keras's registry of saved classes.
+    # Checked first: its class would replace the TensorFlow one in Keras's
+    # registry of saved classes.
     raise ImportError(
         "keras_memopt.jax_models is AccumulatingModel for Keras 3's JAX backend, and "
         "Keras runs on another here: use `keras_memopt.AccumulatingModel`, which is "
         f"this backend's. Received: backend={_keras.BACKEND!r}"
     )
+
+from keras_memopt._serialization import functional_class  # noqa: E402
+from keras_memopt._step import jax_step  # noqa: E402
+from keras_memopt._step.losses import check_reduction  # noqa: E402
+
+__all__ = ["AccumulatingModel"]
 
 _SETTING = ("micro_batch_size", "accumulation_steps")
 
