@@ -91,6 +91,13 @@ elif _keras_backend() == "jax":
             f"(KERAS_BACKEND=tensorflow) for it. Received: {name!r}"
         )
 
+elif _keras_backend() != "tensorflow":
+    raise ImportError(
+        "keras_memopt runs on Keras's TensorFlow backend (Keras 3 or tf_keras) and, in "
+        "part, on its JAX backend; set KERAS_BACKEND to one of them. Received: "
+        f"KERAS_BACKEND={_keras_backend()!r}"
+    )
+
 else:
     from keras_memopt import (  # noqa: F401  (modules of the API)
         callbacks,

@@ -492,6 +492,15 @@ class TestImport:
         with pytest.raises(AttributeError, match=r"keras_memopt.Remat is not available on the JAX"):
             keras_memopt.Remat  # noqa: B018
 
+    def test_a_backend_it_does_not_run_on_is_named(self):
+        from keras_memopt import _subprocess
+
+        output = _subprocess.run(["-c", "import keras_memopt"], env={"KERAS_BACKEND": "numpy"},
+                                 timeout=120)
+        assert output.returncode != 0
+        assert "ImportError: keras_memopt runs on Keras's TensorFlow backend" in output.stderr
+        assert "Received: KERAS_BACKEND='numpy'" in output.stderr
+
     def test_a_saved_model_loads_with_its_setting_and_trains_on_alike(self, tmp_path):
         x, y, weights = _data()
         model = _functional(AccumulatingModel, accumulation_steps=3)
