@@ -57,7 +57,8 @@ class AccumulatingModel(keras.Model):
     statistics once per micro-batch, as on the TensorFlow line.
 
     On JAX a micro-batch size is a static shape: each size is compiled once.
-    `evaluate` and `predict` run as in plain Keras.
+    `evaluate` and `predict` split large batches the same way (the whole
+    batch's loss and metrics, the outputs in order).
 
     Not yet on JAX (refused, naming the feature, before any update):
     `remat`, `replica_shares`, `devices`, `device_cuts`,
@@ -202,8 +203,10 @@ class AccumulatingModel(keras.Model):
                 f"`model.{other} = None` first. Received: {name}={value!r}"
             )
         self._split = _validated_split(**{name: value, other: None})
-        if self.train_function is not None:
-            self.make_train_function(force=True)
+        # A micro-batch size is a static shape: the steps are compiled anew.
+        for kind in ("train", "test", "predict"):
+            if getattr(self, f"{kind}_function", None) is not None:
+                getattr(self, f"make_{kind}_function")(force=True)
 
     def micro_batch_size_for(self, batch_size: int) -> int:
         """The micro-batch size a step on a batch of `batch_size` samples runs with."""
@@ -221,14 +224,41 @@ class AccumulatingModel(keras.Model):
         _refuse_unsupported(self, optimizer, loss)
         super().compile(*args, **kwargs)
 
+    # Each step function puts the model's state back when the step is refused while
+    # traced (Keras's JAX loops take the state out of the variables first).
     def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return
-        super().make_train_function(force)
-        self.train_function = jax_step.restored_on_refusal(self, self.train_function)
+        if self.train_function is None or force:
+            super().make_train_function(force)
+            self.train_function = jax_step.restored_on_refusal(self, self.train_function)
+        return self.train_function
 
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            super().make_test_function(force)
+            self.test_function = jax_step.restored_on_refusal(self, self.test_function)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            super().make_predict_function(force)
+            self.predict_function = jax_step.restored_on_refusal(self, self.predict_function)
+        return self.predict_function
+
+    # A batch of one micro-batch runs Keras's own step (traced per batch shape).
     def train_step(self, state, data):
+        if not jax_step.splits(self.micro_batch_size_for, data):
+            return super().train_step(state, data)
         return jax_step.train_step(self, self.micro_batch_size_for, state, data)
+
+    def test_step(self, state, data):
+        if not jax_step.splits(self.micro_batch_size_for, data):
+            return super().test_step(state, data)
+        return jax_step.test_step(self, self.micro_batch_size_for, state, data)
+
+    def predict_step(self, state, data):
+        if not jax_step.splits(self.micro_batch_size_for, data):
+            return super().predict_step(state, data)
+        return jax_step.predict_step(self, self.micro_batch_size_for, state, data)
 
     def get_config(self):
         config = super().get_config()

@@ -240,13 +240,6 @@ class TestExactness:
         tokens = rng.integers(1, 20, (SAMPLES, 6)) * (np.arange(6) < lengths[:, None])
         tags = rng.integers(0, 3, (SAMPLES, 6))
 
-        def build(cls, **split):
-            keras.utils.set_random_seed(16)
-            inputs = keras.Input((6,), dtype="int32")
-            embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
-            hidden = keras.layers.LSTM(5, return_sequences=True)(embedded)
-            return cls(inputs, keras.layers.Dense(3)(hidden), **split)
-
         def compile_model(model):
             model.compile(
                 optimizer=keras.optimizers.Adam(0.01),
@@ -256,7 +249,7 @@ class TestExactness:
             )
 
         plain, ours, histories = _fit_both(
-            build, compile_model, (tokens, tags), {"micro_batch_size": 6},
+            _tagger, compile_model, (tokens, tags), {"micro_batch_size": 6},
             {"sample_weight": rng.uniform(0.1, 2.0, tags.shape)},
         )
         _assert_same(plain, ours, histories)
@@ -282,6 +275,49 @@ class TestExactness:
             build, _classifier_compile, (tokens, y), {"micro_batch_size": 6}
         )
         _assert_same(plain, ours, histories)
+
+
+def _tagger(cls, **split):
+    keras.utils.set_random_seed(16)
+    inputs = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+    hidden = keras.layers.LSTM(5, return_sequences=True)(embedded)
+    return cls(inputs, keras.layers.Dense(3)(hidden), **split)
+
+
+class TestEvaluatePredict:
+    @pytest.mark.parametrize("kind", ["classifier", "tagger"])
+    def test_evaluate_and_predict_match_the_whole_batch(self, kind):
+        # Batches of 20, 20 and 10 in micro-batches of 6: the loss and metrics of
+        # each whole batch, its outputs in order.
+        rng = np.random.default_rng(17)
+        if kind == "classifier":
+            x, y, weights = _data(seed=17)
+            build, loss = _functional, keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True)
+        else:
+            lengths = rng.integers(0, 7, SAMPLES)
+            x = rng.integers(1, 20, (SAMPLES, 6)) * (np.arange(6) < lengths[:, None])
+            y = rng.integers(0, 3, (SAMPLES, 6))
+            weights = rng.uniform(0.1, 2.0, y.shape)
+            build, loss = _tagger, keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=2)
+        plain, ours = build(keras.Model), build(AccumulatingModel, micro_batch_size=6)
+        ours.set_weights(plain.get_weights())
+        results = []
+        for model in (plain, ours):
+            model.compile(optimizer="adam", loss=loss,
+                          metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(
+                              from_logits=True)])
+            evaluated = model.evaluate(x, y, sample_weight=weights, batch_size=BATCH,
+                                       verbose=0, return_dict=True)
+            results.append((evaluated, model.predict(x, batch_size=BATCH, verbose=0)))
+        (expected, expected_outputs), (got, outputs) = results
+        assert sorted(got) == sorted(expected)
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=TOLERANCE,
+                                       atol=TOLERANCE, err_msg=name)
+        np.testing.assert_allclose(outputs, expected_outputs, rtol=TOLERANCE, atol=TOLERANCE)
 
 
 class TestBatchNormalization:

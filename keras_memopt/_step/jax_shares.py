@@ -57,15 +57,13 @@ class Counter:
     Args:
         model: the `AccumulatingModel`.
         y: the batch's targets (their structure pairs them with the outputs).
-        splits: bool, whether the batch is split (where it is not, a micro-batch
-            is the whole batch, its shares all one, and nothing is refused).
     """
 
-    def __init__(self, model, y, splits):
+    def __init__(self, model, y):
         outputs = max(len(tree.flatten(y)), 1)
         self.classes = ignore_classes(model, y) or (None,) * outputs
         self.summed = summed_outputs(model, y) or (False,) * outputs
-        self.masks = _mask_model(model) if splits else None
+        self.masks = _mask_model(model)
 
     def counted(self, x, y) -> list:
         """Per flat output, the elements its loss keeps (booleans), or None where
@@ -83,6 +81,16 @@ class Counter:
                 mask = kept if mask is None else mask & jnp.reshape(kept, mask.shape)
             counted.append(mask)
         return counted
+
+    def with_masks(self, x, y_pred):
+        """`y_pred` (the whole batch's outputs) with the masks Keras gives them."""
+        if self.masks is None:
+            return y_pred
+        computed, _ = self.masks.stateless_call([], [], x)
+        masks = _with_gaps(self.masks.kept, tree.flatten(computed))
+        flat = [t if mask is None else _MaskAttached()(t, mask=mask)
+                for t, mask in zip(tree.flatten(y_pred), masks, strict=True)]
+        return tree.pack_sequence_as(y_pred, flat)
 
     def totals(self, x, y) -> list:
         """The whole batch's counts (`counted`, summed)."""
@@ -102,6 +110,18 @@ class Counter:
             else:
                 shares.append(samples)
         return Shares(shares, samples)
+
+
+class _MaskAttached(keras.layers.Layer):
+    """Returns its input with the mask it is called with (`mask=`) attached, as
+    Keras attaches a layer's output mask (its own `__call__` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.supports_masking = True
+
+    def call(self, inputs, mask=None):
+        return inputs * 1
 
 
 def _mask_model(model):

@@ -13,8 +13,8 @@ applies once.
 Each micro-batch's share of the batch's loss (`keras_memopt._step.jax_shares`)
 reaches Keras's own loss container as sample weights (the user's, times the
 share), so `loss_weights`, class and sample weights, masks and ignored
-classes stay Keras's. The terms of `model.losses` that this step takes where
-it splits the batch (weight regularisers) do not depend on the samples: each
+classes stay Keras's. The terms of `model.losses` that this step takes
+(weight regularisers) do not depend on the samples: each
 micro-batch adds `n_i / N` of them.
 
 What the loop changes besides the gradient: layers' non-trainable state
@@ -38,18 +38,25 @@ from keras_memopt._step.jax_shares import Counter, Refused, output_weights
 tree = keras.tree
 
 
+_STATE_NAMES = {
+    4: ("trainable_variables", "non_trainable_variables", "optimizer_variables",
+        "metrics_variables"),
+    3: ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+    2: ("trainable_variables", "non_trainable_variables"),
+}
+
+
 def restored_on_refusal(model, step_function):
     """`step_function(state, iterator)` that, when the step is refused while traced,
-    puts `state` (the model's, taken from its variables by Keras's `fit`) back into
-    the variables before raising: the model and optimizer stay as they were."""
+    puts `state` (the model's, taken from its variables by Keras's `fit`,
+    `evaluate` or `predict`) back into the variables before raising: the model
+    and optimizer stay as they were."""
 
     def checked(state, iterator):
         try:
             return step_function(state, iterator)
         except Refused:
-            names = ("trainable_variables", "non_trainable_variables",
-                     "optimizer_variables", "metrics_variables")
-            model._jax_state = dict(zip(names, state, strict=True))
+            model._jax_state = dict(zip(_STATE_NAMES[len(state)], state, strict=True))
             model._jax_state_synced = False
             model.jax_state_sync()
             raise
@@ -57,71 +64,137 @@ def restored_on_refusal(model, step_function):
     return checked
 
 
+def splits(micro_batch_size, data) -> bool:
+    """Whether a batch `data` is split into several micro-batches. Where it is not,
+    the model runs Keras's own step: a micro-batch is the whole batch, and what
+    the split cannot do yet is not refused."""
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    split = Split(micro_batch_size, batch_size_of(x))
+    return split.steps + bool(split.rest) > 1
+
+
+class Split:
+    """A batch of `size` samples as `steps` micro-batches of `m`, then `rest`."""
+
+    def __init__(self, micro_batch_size, size):
+        self.size = size
+        self.m = max(1, min(micro_batch_size(size), size))
+        self.steps, self.rest = divmod(size, self.m)
+
+    def run(self, micro, totals, carried, whole):
+        """Runs `micro(carried, part) -> (carried, parts, outputs)` on each
+        micro-batch of `whole` in order (`jax.lax.scan` over the equal ones, then
+        the rest at its own shape); returns the sums of `parts` (from `totals`),
+        what is carried, and the outputs of the whole batch, in order."""
+
+        def body(carry, part):
+            totals, carried = carry
+            carried, parts, outputs = micro(carried, part)
+            return (tree.map_structure(jnp.add, totals, parts), carried), outputs
+
+        steps, m, size = self.steps, self.m, self.size
+        (totals, carried), outputs = jax.lax.scan(
+            body, (totals, carried), _stacked(whole, steps, m)
+        )
+        outputs = tree.map_structure(lambda t: t.reshape((steps * m, *t.shape[2:])), outputs)
+        if self.rest:
+            carried, parts, last = micro(carried, _rows(whole, steps * m, size))
+            totals = tree.map_structure(jnp.add, totals, parts)
+            outputs = tree.map_structure(lambda a, b: jnp.concatenate([a, b]), outputs, last)
+        return totals, carried, outputs
+
+
 def train_step(model, micro_batch_size, state, data):
     """Keras's JAX `train_step(state, data)` for `model`, in micro-batches of
-    `micro_batch_size` samples (an int, or a function of the batch's size)."""
+    `micro_batch_size(batch_size)` samples."""
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    size = batch_size_of(x)
-    m = micro_batch_size(size) if callable(micro_batch_size) else micro_batch_size
-    m = max(1, min(m, size))
-    steps, rest = divmod(size, m)
-    # One micro-batch is the whole batch, its share one whatever the loss: what
-    # cannot be split yet is refused only where the batch is split.
-    splits = steps + bool(rest) > 1
-    counter = Counter(model, y, splits)
+    split = Split(micro_batch_size, batch_size_of(x))
+    counter = Counter(model, y)
     counts = counter.totals(x, y)
     grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        shares = counter.shares(xs, ys, batch_size_of(xs) / size, counts)
+        shares = counter.shares(xs, ys, batch_size_of(xs) / split.size, counts)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
-            xs, ys, ws, shares, splits,
+            xs, ys, ws, shares,
         )
         unscaled, y_pred, non_trainable, trackers = aux
         return non_trainable, (grads, unscaled, trackers), y_pred
 
-    def body(carry, part):
-        totals, non_trainable = carry
-        non_trainable, parts, y_pred = micro(non_trainable, part)
-        totals = tree.map_structure(jnp.add, totals, parts)
-        return (totals, non_trainable), y_pred
-
-    whole = (x, y, sample_weight)
     zeros = _zero_parts(model, trainable)
-    (totals, non_trainable), y_pred = jax.lax.scan(
-        body, (zeros, non_trainable), _stacked(whole, steps, m)
+    (grads, loss, trackers), non_trainable, y_pred = split.run(
+        micro, zeros, non_trainable, (x, y, sample_weight)
     )
-    y_pred = tree.map_structure(lambda t: t.reshape((steps * m, *t.shape[2:])), y_pred)
-    if rest:
-        non_trainable, parts, last = micro(non_trainable, _rows(whole, steps * m, size))
-        totals = tree.map_structure(jnp.add, totals, parts)
-        y_pred = tree.map_structure(lambda a, b: jnp.concatenate([a, b]), y_pred, last)
-    grads, loss, trackers = totals
-
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
     )
-    metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, size)
+    metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, split.size)
     logs, metrics_variables = model._update_metrics_variables(
         metrics_variables, loss, x, y, y_pred, sample_weight
     )
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
+def test_step(model, micro_batch_size, state, data):
+    """Keras's JAX `test_step(state, data)` for `model`, in micro-batches: the
+    whole batch's loss and metrics, one micro-batch's activations at a time."""
+    trainable, non_trainable, metrics_variables = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    split = Split(micro_batch_size, batch_size_of(x))
+    counter = Counter(model, y)
+    counts = counter.totals(x, y)
+
+    def micro(non_trainable, part):
+        xs, ys, ws = part
+        shares = counter.shares(xs, ys, batch_size_of(xs) / split.size, counts)
+        _, (loss, y_pred, non_trainable, trackers) = _micro_loss(
+            model, trainable, non_trainable, metrics_variables, None,
+            xs, ys, ws, shares,
+        )
+        return non_trainable, (loss, trackers), y_pred
+
+    zeros = _zero_parts(model, trainable)[1:]
+    (loss, trackers), non_trainable, y_pred = split.run(
+        micro, zeros, non_trainable, (x, y, sample_weight)
+    )
+    metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, split.size)
+    # Keras's own test step hands the metrics the outputs with their masks (its
+    # train step, through `jax.value_and_grad`'s outputs, without).
+    logs, metrics_variables = model._update_metrics_variables(
+        metrics_variables, loss, x, y, counter.with_masks(x, y_pred), sample_weight
+    )
+    return logs, (trainable, non_trainable, metrics_variables)
+
+
+def predict_step(model, micro_batch_size, state, data):
+    """Keras's JAX `predict_step(state, data)` for `model`, in micro-batches."""
+    trainable, non_trainable = state
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    split = Split(micro_batch_size, batch_size_of(x))
+    kwargs = {"training": False} if model._call_has_training_arg else {}
+
+    def micro(non_trainable, xs):
+        outputs, non_trainable = model.stateless_call(trainable, non_trainable, xs, **kwargs)
+        return non_trainable, (), outputs
+
+    _, non_trainable, outputs = split.run(micro, (), non_trainable, x)
+    return outputs, non_trainable
+
+
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,
-                x, y, sample_weight, shares, splits):
+                x, y, sample_weight, shares):
     """A micro-batch's share of the batch's loss (scaled as the optimizer scales it)
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
     `compute_loss_and_updates` with the share in the sample weights and the terms."""
-    kwargs = {"training": True} if model._call_has_training_arg else {}
+    training = optimizer_variables is not None  # None: `evaluate`'s step
+    kwargs = {"training": training} if model._call_has_training_arg else {}
     y_pred, non_trainable, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
-    if splits:
-        refuse_sample_dependent_terms(model, losses)
+    refuse_sample_dependent_terms(model, losses)
     weights = output_weights(y_pred, sample_weight, shares)
     saved = model._losses_override
     if losses:
@@ -129,15 +202,16 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     try:
         loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_variables,
-            x=x, y=y, y_pred=y_pred, sample_weight=weights, training=True,
+            x=x, y=y, y_pred=y_pred, sample_weight=weights, training=training,
         )
     finally:
         model._losses_override = saved
     trackers = _tracker_parts(model, metrics_variables, metrics_after)
     unscaled = loss
-    mapping = list(zip(model.optimizer.variables, optimizer_variables, strict=True))
-    with keras.StatelessScope(state_mapping=mapping):
-        loss = model.optimizer.scale_loss(loss)
+    if training:
+        mapping = list(zip(model.optimizer.variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            loss = model.optimizer.scale_loss(loss)
     return loss, (unscaled, y_pred, non_trainable, trackers)
 
 
