@@ -121,7 +121,7 @@ class _MaskAttached(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs, mask=None):
-        return inputs * 1
+        return inputs * 1  # a tensor of its own, which no mask was attached to before
 
 
 def _mask_model(model):
