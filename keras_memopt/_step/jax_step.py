@@ -1,14 +1,15 @@
-"""The JAX train step: a batch's micro-batches inside one compiled, stateless step.
+"""The JAX steps: a batch's micro-batches inside one compiled, stateless step.
 
 Keras's JAX trainer compiles `train_step(state, data)` with `jax.jit`; this
 one takes the same state and returns the same. The batch of `N` samples is
 split at trace time (shapes are static on JAX) into `k` equal micro-batches
 of `m` samples, run by `jax.lax.scan`, and a last micro-batch of the `r`
 samples left over, run once more by the same function at its own static
-shape: nothing is padded into the loss. Each micro-batch's gradient is taken
-of its exact share of the batch's loss; the shares add up, in the gradients'
-own dtype, to the whole batch's gradient, which `optimizer.stateless_apply`
-applies once.
+shape: nothing is padded into the loss (`Split`). Each micro-batch's gradient
+is taken of its exact share of the batch's loss; the shares add up, in the
+gradients' own dtype, to the whole batch's gradient, which
+`optimizer.stateless_apply` applies once. `test_step` and `predict_step`
+split the same way, without gradients.
 
 Each micro-batch's share of the batch's loss (`keras_memopt._step.jax_shares`)
 reaches Keras's own loss container as sample weights (the user's, times the
