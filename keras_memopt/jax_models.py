@@ -148,28 +148,7 @@ class AccumulatingModel(keras.Model):
         as one layer, so it must have been built (called once) first.
         """
         _validated_split(micro_batch_size, accumulation_steps)
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                "`model` must be a `keras.Model`. "
-                f"Received: model={model!r} of type {type(model).__name__}"
-            )
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = outputs = None
-        if not inputs:
-            shape = _keras.built_input_shape(model) if model.built else None
-            if shape is None:
-                raise ValueError(
-                    "`model` must be built on a single input before it can be "
-                    "wrapped: call it once on a batch (or call "
-                    "`model.build(input_shape)`), or subclass AccumulatingModel "
-                    f"instead. Received: model={model.name!r} (built={model.built})"
-                )
-            inputs = keras.Input(batch_shape=shape)
-            outputs = model(inputs)
-        elif isinstance(model, _keras.Functional):
-            inputs, outputs = _keras.nested_inputs_outputs(model)
+        inputs, outputs = _keras.wrapped_inputs_outputs(model)
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, **kwargs,

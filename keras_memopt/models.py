@@ -224,30 +224,7 @@ class AccumulatingModel(
             as `model` would, in micro-batches.
         """
         _keras.check_line("model", model)
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                "`model` must be a `keras.Model`. "
-                f"Received: model={model!r} of type {type(model).__name__}"
-            )
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = outputs = None
-        if not inputs:
-            shape = _keras.built_input_shape(model) if model.built else None
-            if shape is None:
-                raise ValueError(
-                    "`model` must be built on a single input before it can be "
-                    "wrapped: call it once on a batch (or call "
-                    "`model.build(input_shape)`), or subclass AccumulatingModel "
-                    f"instead. Received: model={model.name!r} (built={model.built})"
-                )
-            inputs = keras.Input(batch_shape=shape)
-            outputs = model(inputs)
-        elif isinstance(model, _keras.Functional):
-            # As the user built them (a dict of outputs stays a dict): losses,
-            # metrics and per-output sample weights are matched by their keys.
-            inputs, outputs = _keras.nested_inputs_outputs(model)
+        inputs, outputs = _keras.wrapped_inputs_outputs(model)
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, remat=remat, devices=devices,

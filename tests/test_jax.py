@@ -385,6 +385,21 @@ class TestRefusals:
         with pytest.raises(ValueError, match=message):
             AccumulatingModel.from_model(_functional(keras.Model), **split)
 
+    def test_from_model_names_what_it_cannot_wrap(self):
+        with pytest.raises(TypeError, match=r"`model` must be a `keras.Model`"):
+            AccumulatingModel.from_model(keras.layers.Dense(3))
+        with pytest.raises(ValueError, match=r"must be built.*Received: model='unbuilt'"):
+            AccumulatingModel.from_model(_Subclassed(name="unbuilt"))
+
+    def test_from_model_wraps_a_built_subclassed_model(self):
+        x, y, weights = _data(seed=18)
+        plain, ours, histories = _fit_both(
+            lambda cls, **split: _subclassed(keras.Model) if cls is keras.Model
+            else AccumulatingModel.from_model(_subclassed(keras.Model), **split),
+            _classifier_compile, (x, y), {"micro_batch_size": 6}, {"sample_weight": weights},
+        )
+        _assert_same(plain, ours, histories)
+
     def test_a_bad_setting_leaves_the_setting_as_it_was(self):
         model = _functional(AccumulatingModel, micro_batch_size=4)
         with pytest.raises(ValueError, match=r"Received: micro_batch_size=0"):
