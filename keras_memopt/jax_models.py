@@ -65,10 +65,10 @@ class AccumulatingModel(keras.Model):
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
     replica, a Keras mask on an output of a subclassed model or made with
     the model's weights (where the batch is split), terms of `model.losses`
-    other than weight regularisers (`add_loss`, activity regularisers; also
-    where it is split), an overridden
-    `compute_loss`, a `keras.distribution`, and an optimizer with its own
-    `gradient_accumulation_steps`.
+    other than weight regularisers and Keras's L1, L2 and L1L2 activity
+    regularisers on a functional model's layers (`add_loss`; also where it is
+    split), an overridden `compute_loss`, a `keras.distribution`, and an
+    optimizer with its own `gradient_accumulation_steps`.
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch.

@@ -126,6 +126,32 @@ class TestExactness:
         _assert_same(plain, ours, histories)
         assert ours.micro_batch_size_for(BATCH) == (6 if "micro_batch_size" in split else 7)
 
+    def test_activity_and_weight_regularisers(self):
+        x, y, weights = _data(seed=19)
+
+        def build(cls, **split):
+            keras.utils.set_random_seed(20)
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dense(16, activation="tanh", activity_regularizer="l2",
+                                        kernel_regularizer="l1", bias_regularizer="l2")(inputs)
+            outputs = keras.layers.Dense(3, activity_regularizer=keras.regularizers.L1L2(
+                0.01, 0.02))(hidden)
+            return cls(inputs, outputs, **split)
+
+        plain, ours, histories = _fit_both(
+            build, _classifier_compile, (x, y), {"micro_batch_size": 6},
+            {"sample_weight": weights},
+        )
+        # Keras 3.15 on JAX computes an activity regulariser's term in float32 in this
+        # float64 model (measured: `stateless_call`'s term is float32), so the sum of
+        # its micro-batch parts rounds as float32 does: the logged loss is compared at
+        # float32's precision, the weights at 1e-9.
+        for name in histories[0]:
+            np.testing.assert_allclose(histories[1][name], histories[0][name], rtol=1e-6,
+                                       err_msg=name)
+        for want, have in zip(plain.get_weights(), ours.get_weights(), strict=True):
+            np.testing.assert_allclose(have, want, rtol=TOLERANCE, atol=TOLERANCE)
+
     @pytest.mark.parametrize("weighted", [False, True])
     def test_micro_batches_and_a_batch_of_one_sample(self, weighted):
         # 41 samples in batches of 20: 20 -> 19, 1 and a last batch of one sample.
@@ -459,8 +485,7 @@ class TestRefusals:
             data = (np.ones((4, 6, 4)), np.zeros((4, 6), "int64"))
         else:
             inputs = keras.Input((8,))
-            regularised = keras.layers.Dense(3, activity_regularizer="l2")
-            model = AccumulatingModel(inputs, regularised(inputs), micro_batch_size=2)
+            model = AccumulatingModel(inputs, _AddsLoss()(inputs), micro_batch_size=2)
             data = (np.ones((4, 8)), np.zeros(4, "int64"))
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -469,7 +494,7 @@ class TestRefusals:
     @pytest.mark.parametrize("layer_kind, message", [
         ("subclassed mask", r"mask.*Received: layer\(s\) \['embedding.*subclassed model"),
         ("mask from weights", r"mask.*Received: the masks of the outputs need the weights"),
-        ("activity regulariser", r"`add_loss` or an `activity_regularizer`"),
+        ("add_loss", r"other terms \(`add_loss`.*Received: 1 such term"),
     ])
     def test_refused_at_the_first_step_before_any_update(self, layer_kind, message):
         model, data = self._model_with(layer_kind)
@@ -500,6 +525,19 @@ class TestRefusals:
             build, _classifier_compile, (tokens, y), {"micro_batch_size": BATCH}
         )
         _assert_same(plain, ours, histories)
+
+
+class _AddsLoss(keras.layers.Layer):
+    """Dense(3) that adds the sum of its squared outputs (a sum over the samples)."""
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(3)
+        self.dense.build(input_shape)
+
+    def call(self, inputs):
+        outputs = self.dense(inputs)
+        self.add_loss(keras.ops.sum(outputs**2))
+        return outputs
 
 
 def _tagger_init(self, **kwargs):

@@ -15,8 +15,9 @@ Each micro-batch's share of the batch's loss (`keras_memopt._step.jax_shares`)
 reaches Keras's own loss container as sample weights (the user's, times the
 share), so `loss_weights`, class and sample weights, masks and ignored
 classes stay Keras's. The terms of `model.losses` that this step takes
-(weight regularisers) do not depend on the samples: each
-micro-batch adds `n_i / N` of them.
+(weight regularisers, Keras's activity regularisers) are means over the
+samples or do not depend on them: each micro-batch adds `n_i / N` of them
+(`refuse_sample_dependent_terms`).
 
 What the loop changes besides the gradient: layers' non-trainable state
 (BatchNormalization's moving statistics, seed generators) is carried from
@@ -33,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from keras_memopt import _keras
 from keras_memopt._keras import keras
 from keras_memopt._step.jax_shares import Counter, Refused, output_weights
 
@@ -217,18 +219,45 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
 
 
 def refuse_sample_dependent_terms(model, losses):
-    """Refuses terms of `model.losses` besides weight regularisers (`add_loss`,
-    activity regularisers): whether each averages or sums over the samples is
-    not yet found on JAX (the TensorFlow line finds it at the first step)."""
+    """Refuses terms of `model.losses` it cannot tell apart: those of `add_loss`
+    (whether each averages or sums over the samples is not yet found on JAX;
+    the TensorFlow line finds it at the first step).
+
+    It takes weight regularisers (the same for every micro-batch) and the
+    activity regularisers of Keras's `L1`, `L2` and `L1L2` on the layers of a
+    functional model, each called once: a sum over the samples that Keras
+    divides by the batch's size, a mean. Both then count `n_i / N` per
+    micro-batch. What it takes is counted, and any other term refuses the step.
+    """
     regularised = sum(1 for v in model.trainable_weights if v.regularizer is not None)
-    if len(losses) > regularised:
-        raise Refused(
-            "AccumulatingModel on JAX splits the terms of `model.losses` only where "
-            "they are weight regularisers (`kernel_regularizer`, `bias_regularizer`); "
-            "terms from `add_loss` or an `activity_regularizer` are not supported on "
-            "JAX yet. Use the TensorFlow backend for them. Received: "
-            f"{len(losses) - regularised} such term(s)"
-        )
+    activity = _activity_terms(model)
+    if len(losses) == regularised + (activity or 0):
+        return
+    raise Refused(
+        "AccumulatingModel on JAX splits the terms of `model.losses` only where they "
+        "are weight regularisers or Keras's L1, L2 and L1L2 activity regularisers on "
+        "the layers of a functional model, each called once; other terms (`add_loss`, "
+        "other activity regularisers) are not supported on JAX yet. Use the TensorFlow "
+        f"backend for them. Received: {len(losses) - regularised - (activity or 0)} "
+        "such term(s)"
+    )
+
+
+def _activity_terms(model) -> int | None:
+    """The terms the activity regularisers that `refuse_sample_dependent_terms`
+    takes add in one call of `model` (None: one it does not take)."""
+    kinds = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+    direct = {id(layer) for layer in getattr(model, "layers", [])}
+    terms = 0
+    for layer in model._flatten_layers(include_self=False):
+        regulariser = getattr(layer, "activity_regularizer", None)
+        if regulariser is None:
+            continue
+        if (not isinstance(model, _keras.Functional) or type(regulariser) not in kinds
+                or id(layer) not in direct or len(layer._inbound_nodes) != 1):
+            return None
+        terms += len(tree.flatten(layer.output))
+    return terms
 
 
 def batch_size_of(data) -> int:
