@@ -21,6 +21,7 @@ if _keras.BACKEND != "jax":
         f"this backend's. Received: backend={_keras.BACKEND!r}"
     )
 
+from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
 from keras_memopt._serialization import functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
@@ -148,7 +149,7 @@ class AccumulatingModel(keras.Model):
         as one layer, so it must have been built (called once) first.
         """
         _validated_split(micro_batch_size, accumulation_steps)
-        inputs, outputs = _keras.wrapped_inputs_outputs(model)
+        inputs, outputs = wrapped_inputs_outputs(model)
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, **kwargs,

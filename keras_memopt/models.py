@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras_memopt import _io, _keras, _validation, placement
 from keras_memopt import remat as _remat
 from keras_memopt._keras import losses as _keras_losses
+from keras_memopt._keras.wrapping import wrapped_inputs_outputs
 from keras_memopt._oom import run_settings as _run_settings
 from keras_memopt._oom import runner as _runner
 from keras_memopt._oom.supervised import max_micro_batch_size
@@ -224,7 +225,7 @@ class AccumulatingModel(
             as `model` would, in micro-batches.
         """
         _keras.check_line("model", model)
-        inputs, outputs = _keras.wrapped_inputs_outputs(model)
+        inputs, outputs = wrapped_inputs_outputs(model)
         return cls(
             inputs, outputs, name=name or model.name, micro_batch_size=micro_batch_size,
             accumulation_steps=accumulation_steps, remat=remat, devices=devices,

@@ -48,7 +48,7 @@ def _memory(report, model, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(LEGACY, reason="docs/gpu.md's command runs on Keras 3: the Keras 3 pass runs it")
+@pytest.mark.skipif(LEGACY, reason="docs/gpu.md's command runs on Keras 3: that pass runs it")
 class TestSmallCheck:
     def test_every_configuration_of_the_mlp_has_figures(self, small_check):
         _, report = small_check

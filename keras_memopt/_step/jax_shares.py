@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from keras_memopt import _keras
 from keras_memopt._keras import keras
-from keras_memopt._step.loss_check import ignore_classes, summed_outputs
+from keras_memopt._step.losses import ignore_classes, summed_outputs
 
 tree = keras.tree
 
@@ -130,7 +130,7 @@ def _mask_model(model):
     if model in _MASK_MODELS:
         return _MASK_MODELS[model]
     if not isinstance(model, _keras.Functional):
-        makers = [layer.name for layer in model._flatten_layers() if _makes_masks(layer)]
+        makers = [layer.name for layer in _keras.sublayers(model) if _makes_masks(layer)]
         if makers:
             raise Refused(_masks_refused(f"layer(s) {makers} make masks in a subclassed model"))
         return None

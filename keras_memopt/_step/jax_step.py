@@ -24,17 +24,20 @@ What the loop changes besides the gradient: layers' non-trainable state
 one micro-batch to the next, so it advances once per micro-batch, in order,
 as on the TensorFlow line. The loss tracker, the per-output loss trackers and
 the compiled metrics are updated once, after the loop, with the batch's loss
-and the whole batch's outputs, by Keras's own `_update_metrics_variables`:
+and the whole batch's outputs, by Keras's own metrics update (`_keras.jax`):
 the figures are plain Keras's at the whole batch. The outputs of the whole
 batch are kept for that (as plain Keras keeps them).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
 from keras_memopt import _keras
+from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._step.jax_shares import Counter, Refused, output_weights
 
@@ -59,9 +62,7 @@ def restored_on_refusal(model, step_function):
         try:
             return step_function(state, iterator)
         except Refused:
-            model._jax_state = dict(zip(_STATE_NAMES[len(state)], state, strict=True))
-            model._jax_state_synced = False
-            model.jax_state_sync()
+            _jax.put_state_back(model, _STATE_NAMES[len(state)], state)
             raise
 
     return checked
@@ -135,8 +136,8 @@ def train_step(model, micro_batch_size, state, data):
         optimizer_variables, grads, trainable
     )
     metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, split.size)
-    logs, metrics_variables = model._update_metrics_variables(
-        metrics_variables, loss, x, y, y_pred, sample_weight
+    logs, metrics_variables = _jax.update_metrics(
+        model, metrics_variables, loss, x, y, y_pred, sample_weight
     )
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
@@ -166,8 +167,8 @@ def test_step(model, micro_batch_size, state, data):
     metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, split.size)
     # Keras's own test step hands the metrics the outputs with their masks (its
     # train step, through `jax.value_and_grad`'s outputs, without).
-    logs, metrics_variables = model._update_metrics_variables(
-        metrics_variables, loss, x, y, counter.with_masks(x, y_pred), sample_weight
+    logs, metrics_variables = _jax.update_metrics(
+        model, metrics_variables, loss, x, y, counter.with_masks(x, y_pred), sample_weight
     )
     return logs, (trainable, non_trainable, metrics_variables)
 
@@ -177,7 +178,7 @@ def predict_step(model, micro_batch_size, state, data):
     trainable, non_trainable = state
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     split = Split(micro_batch_size, batch_size_of(x))
-    kwargs = {"training": False} if model._call_has_training_arg else {}
+    kwargs = {"training": False} if _keras.calls_with_training(model) else {}
 
     def micro(non_trainable, xs):
         outputs, non_trainable = model.stateless_call(trainable, non_trainable, xs, **kwargs)
@@ -193,22 +194,18 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
     `compute_loss_and_updates` with the share in the sample weights and the terms."""
     training = optimizer_variables is not None  # None: `evaluate`'s step
-    kwargs = {"training": training} if model._call_has_training_arg else {}
+    kwargs = {"training": training} if _keras.calls_with_training(model) else {}
     y_pred, non_trainable, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
     refuse_sample_dependent_terms(model, losses)
     weights = output_weights(y_pred, sample_weight, shares)
-    saved = model._losses_override
-    if losses:
-        model._losses_override = [term * shares.samples for term in losses]
-    try:
+    terms = [term * shares.samples for term in losses]
+    with _jax.losses_replaced(model, terms) if terms else contextlib.nullcontext():
         loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_variables,
             x=x, y=y, y_pred=y_pred, sample_weight=weights, training=training,
         )
-    finally:
-        model._losses_override = saved
     trackers = _tracker_parts(model, metrics_variables, metrics_after)
     unscaled = loss
     if training:
@@ -249,12 +246,12 @@ def _activity_terms(model) -> int | None:
     kinds = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
     direct = {id(layer) for layer in getattr(model, "layers", [])}
     terms = 0
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _keras.sublayers(model, include_self=False):
         regulariser = getattr(layer, "activity_regularizer", None)
         if regulariser is None:
             continue
         if (not isinstance(model, _keras.Functional) or type(regulariser) not in kinds
-                or id(layer) not in direct or len(layer._inbound_nodes) != 1):
+                or id(layer) not in direct or not _jax.called_once(layer)):
             return None
         terms += len(tree.flatten(layer.output))
     return terms

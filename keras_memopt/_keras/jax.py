@@ -1,0 +1,34 @@
+"""What the JAX step reads of Keras 3's JAX trainer beyond its public API."""
+
+import contextlib
+
+
+def put_state_back(model, names, state):
+    """Writes the step's `state` (values in the order of `names`) back into the
+    model's variables, as Keras's JAX `fit` does when it ends."""
+    model._jax_state = dict(zip(names, state, strict=True))
+    model._jax_state_synced = False
+    model.jax_state_sync()
+
+
+def update_metrics(model, metrics_variables, loss, x, y, y_pred, sample_weight):
+    """`(logs, metrics_variables)`: the compiled metrics and the loss tracker
+    updated statelessly, as Keras's JAX train and test steps update them."""
+    return model._update_metrics_variables(metrics_variables, loss, x, y, y_pred, sample_weight)
+
+
+@contextlib.contextmanager
+def losses_replaced(model, terms):
+    """Within it, `model.losses` is `terms` (Keras's stateless loss reads them
+    there); the model's own afterwards."""
+    saved = model._losses_override
+    model._losses_override = terms
+    try:
+        yield
+    finally:
+        model._losses_override = saved
+
+
+def called_once(layer) -> bool:
+    """Whether `layer` is called once in the functional graph it belongs to."""
+    return len(layer._inbound_nodes) == 1
