@@ -34,6 +34,18 @@ def functional_class(cls):
     return _FUNCTIONAL_CLASSES[cls]
 
 
+def class_to_build(cls, base, args, kwargs):
+    """The class `base.__new__` builds for `cls(*args, **kwargs)`: as in Keras,
+    (inputs, outputs) make a functional model only when they reach `base`'s own
+    constructor; a subclass's may take two positional arguments of its own
+    (`Distiller(teacher, student)`)."""
+    own_constructor = cls.__init__ is not base.__init__
+    functional = issubclass(cls, _keras.Functional)
+    if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
+        return functional_class(cls)
+    return cls
+
+
 class SerializationMixin:
     """The config and pickling of `AccumulatingModel` (a mixin: see that class)."""
 

@@ -69,3 +69,13 @@ def positive_int_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"must be a positive integer, received {text!r}"
         ) from None
+
+
+def check_one_split(model, name, value, other):
+    """Refuses `model.<name> = value` while `other`, the other way to split a batch, is set."""
+    if value is not None and getattr(model, other) is not None:
+        raise ValueError(
+            f"`{name}` and `{other}` are two ways to split a batch, and "
+            f"`{other}` is set ({other}={getattr(model, other)!r}): set "
+            f"`model.{other} = None` first. Received: {name}={value!r}"
+        )

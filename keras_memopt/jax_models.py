@@ -22,7 +22,7 @@ if _keras.BACKEND != "jax":
     )
 
 from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
-from keras_memopt._serialization import functional_class  # noqa: E402
+from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
 
@@ -106,13 +106,8 @@ class AccumulatingModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        # As the TensorFlow line: (inputs, outputs) make a functional model only
-        # when they reach this constructor.
-        own_constructor = cls.__init__ is not AccumulatingModel.__init__
-        functional = issubclass(cls, _keras.Functional)
-        if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
-            cls = functional_class(cls)
-        return super().__new__(cls, *args, **kwargs)
+        return super().__new__(class_to_build(cls, AccumulatingModel, args, kwargs),
+                               *args, **kwargs)
 
     def __init__(
         self,
@@ -176,12 +171,7 @@ class AccumulatingModel(keras.Model):
         self._set_split(value, "accumulation_steps", "micro_batch_size")
 
     def _set_split(self, value, name, other):
-        if value is not None and getattr(self, other) is not None:
-            raise ValueError(
-                f"`{name}` and `{other}` are two ways to split a batch, and "
-                f"`{other}` is set ({other}={getattr(self, other)!r}): set "
-                f"`model.{other} = None` first. Received: {name}={value!r}"
-            )
+        _validation.check_one_split(self, name, value, other)
         self._split = _validated_split(**{name: value, other: None})
         # A micro-batch size is a static shape: the steps are compiled anew.
         for kind in ("train", "test", "predict"):

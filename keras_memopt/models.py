@@ -12,7 +12,7 @@ from keras_memopt._oom import run_settings as _run_settings
 from keras_memopt._oom import runner as _runner
 from keras_memopt._oom.supervised import max_micro_batch_size
 from keras_memopt._oom.update_guard import UpdateGuard
-from keras_memopt._serialization import SerializationMixin, functional_class
+from keras_memopt._serialization import SerializationMixin, class_to_build, functional_class
 from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import shares as _shares
@@ -144,14 +144,8 @@ class AccumulatingModel(
     """
 
     def __new__(cls, *args, **kwargs):
-        # As in Keras: (inputs, outputs) make a functional model only when they
-        # reach this constructor; a subclass's own constructor may take two
-        # positional arguments of its own (`Distiller(teacher, student)`).
-        own_constructor = cls.__init__ is not AccumulatingModel.__init__
-        functional = issubclass(cls, _keras.Functional)
-        if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
-            cls = functional_class(cls)
-        return super().__new__(cls, *args, **kwargs)
+        return super().__new__(class_to_build(cls, AccumulatingModel, args, kwargs),
+                               *args, **kwargs)
 
     def __init__(
         self,
@@ -262,12 +256,7 @@ class AccumulatingModel(
         self._set_split(value, "accumulation_steps", "micro_batch_size")
 
     def _set_split(self, value, name, other):
-        if value is not None and getattr(self, other) is not None:
-            raise ValueError(
-                f"`{name}` and `{other}` are two ways to split a batch, and "
-                f"`{other}` is set ({other}={getattr(self, other)!r}): set "
-                f"`model.{other} = None` first. Received: {name}={value!r}"
-            )
+        _validation.check_one_split(self, name, value, other)
         self._run.setting.set(**{name: value, other: None})
 
     @property
