@@ -14,8 +14,9 @@ command imports what it uses itself (`plan` imports `keras_memopt.models`
 before loading a model).
 
 On Keras 3's JAX backend (`KERAS_BACKEND=jax`) the package exports
-`AccumulatingModel` only, the JAX step's (`keras_memopt.jax_models`); the
-other names are TensorFlow's and say so when asked for.
+`AccumulatingModel`, the JAX step's (`keras_memopt.jax_models`), and `Remat`
+(recomputed with `jax.checkpoint`); the other names are TensorFlow's and say
+so when asked for.
 """
 
 import os as _os
@@ -76,18 +77,20 @@ if _launched_as_command():
         raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
 
 elif _keras_backend() == "jax":
-    # Keras 3 on JAX: the JAX step's `AccumulatingModel`; the rest of the API
-    # is TensorFlow's and not there yet (issue 56).
+    # Keras 3 on JAX: the JAX step's `AccumulatingModel` and `Remat` (its call
+    # under `jax.checkpoint`); the rest of the API is TensorFlow's and not
+    # there yet (issue 56).
     from keras_memopt.jax_models import AccumulatingModel
+    from keras_memopt.remat import Remat
 
-    __all__ = ["AccumulatingModel"]
+    __all__ = ["AccumulatingModel", "Remat"]
 
     def __getattr__(name):
         if name.startswith("__"):
             raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
         raise AttributeError(
             f"keras_memopt.{name} is not available on the JAX backend yet: on JAX, "
-            "keras_memopt has `AccumulatingModel` only. Use the TensorFlow backend "
+            "keras_memopt has `AccumulatingModel` and `Remat` only. Use the TensorFlow backend "
             f"(KERAS_BACKEND=tensorflow) for it. Received: {name!r}"
         )
 

@@ -11,7 +11,8 @@ activation memory. Two ways in:
   `keras_memopt._remat.segments`).
 
 The recomputation itself (exact: same dropout masks, state updated once) is
-`keras_memopt._remat.recompute`'s.
+`keras_memopt._remat.recompute`'s on TensorFlow, `keras_memopt._remat.jax_recompute`'s
+(`jax.checkpoint`) on Keras 3's JAX backend.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from keras_memopt import _keras, placement
 from keras_memopt._remat import segments as _segments
 from keras_memopt._remat.recompute import check_recomputable, recompute
 from keras_memopt._remat.segments import plan_segments
+
+if _keras.BACKEND == "jax":
+    from keras_memopt._remat import jax_recompute
 
 __all__ = ["Remat", "plan_segments"]
 
@@ -68,6 +72,14 @@ class Remat(keras.layers.Wrapper):
     draw a fresh seed per call and use stateless random ops, so two calls of
     one random layer within a single wrapped call share a mask.
 
+    On Keras 3's JAX backend the call runs under `jax.checkpoint`, a pure
+    function of the layer's variables' values and the arguments' arrays
+    (`training` and other Python values bound), which returns the layer's
+    new state: the same masks, the state assigned once. There, the
+    wrapper's outputs carry the Keras masks the wrapped layer's
+    `compute_mask` gives (not masks its `call` sets itself), and an
+    `add_loss` in the wrapped call is refused when the step is traced.
+
     Args:
         layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to
             recompute in the backward pass.
@@ -108,6 +120,10 @@ class Remat(keras.layers.Wrapper):
         self._layer_takes_mask = _takes(layer, "mask")
         # A Keras mask reaches the wrapped layer; `call` passes its output masks on.
         self.supports_masking = True
+        if _keras.BACKEND == "jax":
+            # The call reads the variables' own values (not cast to a compute
+            # dtype) for `jax.checkpoint`; the wrapped layer still autocasts.
+            self.autocast = False
 
     def build(self, input_shape=None):
         # The wrapped layer builds itself on its first call, with the real
@@ -125,11 +141,16 @@ class Remat(keras.layers.Wrapper):
             # The first call creates the layer's variables; it happens while
             # Keras builds the model, where there is nothing to differentiate.
             return self.layer(*args, **kwargs)
+        if _keras.BACKEND == "jax":
+            return jax_recompute.recompute(self.layer, args, kwargs)
         # The inputs' Keras masks reach a layer that passes them on (a
         # Dense), and the outputs carry the layer's: `recompute` sees to both.
         return recompute(self.layer, self.layer, args, kwargs)
 
     def compute_mask(self, inputs, mask=None):
+        if _keras.BACKEND == "jax" and self.layer.built:
+            # Keras puts them on the outputs, as for the wrapped layer's own call.
+            return self.layer.compute_mask(inputs, mask)
         # `call` attaches the wrapped layer's output masks; where it attached
         # none there are none (on tf_keras, asking a wrapped model would run
         # its forward pass once more).
