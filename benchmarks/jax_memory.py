@@ -18,7 +18,12 @@ four ways (micro-batches of 32):
 - and, for scale, plain Keras and `AccumulatingModel(micro_batch_size=32)`
   at a batch of 4096 (128 micro-batches).
 
-It prints a Markdown table in MiB (docs/benchmarks.md keeps one). The
+A second table is recomputation's (`remat=`, `jax.checkpoint`): the TensorFlow
+line's `gelu_stack`, 256 -> 8 x Dense(1024, gelu) -> 10, whose activations
+outweigh its weights, as `AccumulatingModel(micro_batch_size=256)` at a batch
+of 1024, without recomputation and with segments of 1, 2 and 4 hidden layers.
+
+It prints Markdown tables in MiB (docs/benchmarks.md keeps them). The
 footprint is what the step holds at once: temporaries + arguments + the
 outputs that do not reuse a donated argument's buffer. (Compiled without
 donation, as DESIGN.md's first figures were, plain Keras's step shows no
@@ -40,15 +45,22 @@ from keras_memopt._keras import BACKEND, keras  # noqa: E402
 MIB = 2**20
 
 
-def mlp(cls=None, features=256, width=1024, depth=4, **kwargs):
-    """DESIGN.md's MLP (or a smaller one), built as `cls` (plain `keras.Model` by default)."""
+def mlp(cls=None, features=256, width=1024, depth=4, activation="relu", **kwargs):
+    """DESIGN.md's MLP (or a smaller one), built as `cls` (plain `keras.Model` by
+    default); its hidden layers are named `hidden_0`, `hidden_1`, ... (the cut
+    points of `remat=`)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((features,))
     hidden = inputs
-    for _ in range(depth):
-        hidden = keras.layers.Dense(width, activation="relu")(hidden)
+    for index in range(depth):
+        hidden = keras.layers.Dense(width, activation=activation, name=f"hidden_{index}")(hidden)
     outputs = keras.layers.Dense(10)(hidden)
     return (cls or keras.Model)(inputs, outputs, **kwargs)
+
+
+def every(step, depth):
+    """`remat=`'s cut layers for a segment of `step` hidden layers of `mlp`."""
+    return [f"hidden_{index}" for index in range(step - 1, depth, step)]
 
 
 def step_memory(model, batch_size, optimizer=None) -> dict:
@@ -96,6 +108,32 @@ def main():
         ("`AccumulatingModel(micro_batch_size=32)`, batch 4096",
          step_memory(mlp(AccumulatingModel, micro_batch_size=32), 4096)),
     ]
+    _print_table(rows)
+    print()
+    _print_table(remat_rows(AccumulatingModel))
+
+
+# docs/remat.md's `gelu_stack` (benchmarks/remat.py) on TensorFlow.
+DEEP = {"features": 256, "width": 1024, "depth": 8, "activation": "gelu"}
+DEEP_MICRO, DEEP_BATCH = 256, 1024
+
+
+def remat_rows(accumulating_model):
+    """The recomputation table's rows: DEEP without and with segments of 1, 2, 4."""
+    depth = DEEP["depth"]
+    rows = [(f"`AccumulatingModel(micro_batch_size={DEEP_MICRO})`, batch {DEEP_BATCH}",
+             step_memory(mlp(accumulating_model, micro_batch_size=DEEP_MICRO, **DEEP),
+                         DEEP_BATCH))]
+    for step in (1, 2, 4):
+        model = mlp(accumulating_model, micro_batch_size=DEEP_MICRO,
+                    remat=every(step, depth), **DEEP)
+        per = "hidden layer" if step == 1 else f"{step} hidden layers"
+        rows.append((f"the same, `remat=` a segment per {per}",
+                     step_memory(model, DEEP_BATCH)))
+    return rows
+
+
+def _print_table(rows):
     weights = rows[0][1]["weights"]
     print(f"W (trainable weights) = {weights / MIB:.1f} MiB; jax {jax.__version__}, "
           f"keras {keras.__version__}, {jax.devices()[0].platform}")

@@ -20,8 +20,9 @@ SETTING_ARGS = (
 _FUNCTIONAL_CLASSES: dict[type, type] = {}
 
 
-def functional_class(cls):
-    """`cls` with Keras's functional model class mixed in.
+def functional_class(cls, *mixins):
+    """`cls` with Keras's functional model class mixed in (after `mixins`, which
+    only the functional form has).
 
     Keras turns a `Model` subclass built from inputs and outputs into a
     functional model by rewriting the class's bases in place, which would
@@ -29,20 +30,22 @@ def functional_class(cls):
     subclass per class keeps `AccumulatingModel` itself untouched.
     """
     if cls not in _FUNCTIONAL_CLASSES:
-        functional = type(cls.__name__, (cls, _keras.Functional), {"__module__": cls.__module__})
+        functional = type(
+            cls.__name__, (cls, *mixins, _keras.Functional), {"__module__": cls.__module__}
+        )
         _FUNCTIONAL_CLASSES[cls] = functional
     return _FUNCTIONAL_CLASSES[cls]
 
 
-def class_to_build(cls, base, args, kwargs):
+def class_to_build(cls, base, args, kwargs, *mixins):
     """The class `base.__new__` builds for `cls(*args, **kwargs)`: as in Keras,
     (inputs, outputs) make a functional model only when they reach `base`'s own
     constructor; a subclass's may take two positional arguments of its own
-    (`Distiller(teacher, student)`)."""
+    (`Distiller(teacher, student)`). `mixins`: as for `functional_class`."""
     own_constructor = cls.__init__ is not base.__init__
     functional = issubclass(cls, _keras.Functional)
     if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
-        return functional_class(cls)
+        return functional_class(cls, *mixins)
     return cls
 
 

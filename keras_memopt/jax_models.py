@@ -22,9 +22,11 @@ if _keras.BACKEND != "jax":
     )
 
 from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
+from keras_memopt._remat import segments as _segments  # noqa: E402
 from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
+from keras_memopt.remat import Remat, check_target, validate_remat  # noqa: E402
 
 __all__ = ["AccumulatingModel"]
 
@@ -35,7 +37,6 @@ keras = _keras.keras
 # The TensorFlow line's constructor arguments that JAX does not take yet, with
 # the value that means "not used".
 _NOT_ON_JAX = {
-    "remat": None,
     "replica_shares": None,
     "devices": None,
     "device_cuts": None,
@@ -61,8 +62,13 @@ class AccumulatingModel(keras.Model):
     `evaluate` and `predict` split large batches the same way (the whole
     batch's loss and metrics, the outputs in order).
 
+    `remat=[layer names]` cuts a functional model after each named layer
+    and, in training, recomputes every segment but the last in the backward
+    pass (`jax.checkpoint`, through `keras_memopt.Remat`): the same weights
+    and figures, less activation memory.
+
     Not yet on JAX (refused, naming the feature, before any update):
-    `remat`, `replica_shares`, `devices`, `device_cuts`,
+    `remat="auto"`, `replica_shares`, `devices`, `device_cuts`,
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
     replica, a Keras mask on an output of a subclassed model or made with
     the model's weights (where the batch is split), terms of `model.losses`
@@ -79,6 +85,9 @@ class AccumulatingModel(keras.Model):
             batch into (each of `ceil(batch / accumulation_steps)` samples,
             the last one smaller where it does not divide). Give at most one
             of the two; with neither, each batch is one micro-batch.
+        remat: None or a list of the names of the layers of a functional
+            model after which its recomputed segments end (as on the
+            TensorFlow line; `"auto"` not yet on JAX). Defaults to None.
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
@@ -100,32 +109,39 @@ class AccumulatingModel(keras.Model):
 
     Raises:
         ValueError: if both `micro_batch_size` and `accumulation_steps` are
-            given, or one is not a positive integer.
+            given, or one is not a positive integer; for `remat`, as on the
+            TensorFlow line (a name that is not a layer of the model, a layer
+            whose output does not separate its graph, a subclassed model).
         NotImplementedError: for an argument or feature not supported on JAX
             yet (see above).
     """
 
     def __new__(cls, *args, **kwargs):
-        return super().__new__(class_to_build(cls, AccumulatingModel, args, kwargs),
-                               *args, **kwargs)
+        return super().__new__(
+            class_to_build(cls, AccumulatingModel, args, kwargs, _SegmentedCall), *args, **kwargs
+        )
 
     def __init__(
         self,
         *args,
         micro_batch_size: int | None = None,
         accumulation_steps: int | None = None,
+        remat: list[str] | None = None,
         **kwargs,
     ):
         split = _validated_split(micro_batch_size, accumulation_steps)
+        remat = _validated_remat(remat)
         for name, unused in _NOT_ON_JAX.items():
             if kwargs.get(name, unused) != unused:
                 raise NotImplementedError(_not_on_jax(f"`{name}`", f"{name}={kwargs[name]!r}"))
             kwargs.pop(name, None)
         functional = _keras.is_functional_call(args, kwargs)
+        check_target(remat, functional, self)
         if functional and not isinstance(self, _keras.Functional):
-            object.__setattr__(self, "__class__", functional_class(type(self)))
+            object.__setattr__(self, "__class__", _functional_class(type(self)))
         super().__init__(*args, **kwargs)
         self._split = split
+        self._recomputation = _Recomputation(self, remat)
 
     @classmethod
     def from_model(
@@ -174,6 +190,9 @@ class AccumulatingModel(keras.Model):
         _validation.check_one_split(self, name, value, other)
         self._split = _validated_split(**{name: value, other: None})
         # A micro-batch size is a static shape: the steps are compiled anew.
+        self._retrace()
+
+    def _retrace(self):
         for kind in ("train", "test", "predict"):
             if getattr(self, f"{kind}_function", None) is not None:
                 getattr(self, f"make_{kind}_function")(force=True)
@@ -184,6 +203,30 @@ class AccumulatingModel(keras.Model):
         if size is not None:
             return min(size, batch_size)
         return max(1, -(-batch_size // (steps or 1)))
+
+    # -- recomputation -------------------------------------------------------------
+
+    @property
+    def remat(self) -> list[str] | None:
+        """The names of the layers that end the recomputed segments, or None.
+
+        Setting it plans the segments anew (checked first: a bad value leaves
+        them as they were); the next step is traced with them.
+        """
+        names = self._recomputation.names
+        return None if names is None else list(names)
+
+    @remat.setter
+    def remat(self, value):
+        value = _validated_remat(value)
+        check_target(value, isinstance(self, _keras.Functional), self)
+        self._recomputation = _Recomputation(self, value)
+        self._retrace()
+
+    @property
+    def recomputed_segments(self) -> list[list[str]]:
+        """The names of the layers in each segment recomputed in the backward pass."""
+        return _segments.recomputed_layer_names(self._recomputation.plan)
 
     # -- compile and the step ----------------------------------------------------
 
@@ -233,7 +276,7 @@ class AccumulatingModel(keras.Model):
     def get_config(self):
         config = super().get_config()
         return {**config, "micro_batch_size": self.micro_batch_size,
-                "accumulation_steps": self.accumulation_steps}
+                "accumulation_steps": self.accumulation_steps, "remat": self.remat}
 
     def compile_from_config(self, config):
         # Keras skips an overridden `compile` when loading; this one only adds
@@ -246,8 +289,11 @@ class AccumulatingModel(keras.Model):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         split = {name: config.pop(name, None) for name in _SETTING}
+        remat = config.pop("remat", None)
         model = super().from_config(config, custom_objects=custom_objects)
         model._split = _validated_split(**split)
+        if remat is not None:
+            model.remat = remat
         return model
 
 
@@ -265,6 +311,61 @@ def _validated_split(micro_batch_size=None, accumulation_steps=None):
                         f"micro_batch_size={micro_batch_size!r}")
         )
     return size, steps
+
+
+def _validated_remat(remat):
+    """The TensorFlow line's checks of `remat` (same errors), less `"auto"`."""
+    remat = validate_remat(remat)
+    if remat == "auto":
+        raise NotImplementedError(
+            _not_on_jax('`remat="auto"` (segments chosen from a TensorFlow trace of the step)',
+                        f"remat={remat!r}")
+        )
+    return remat
+
+
+class _SegmentedCall:
+    """The functional form's `call` (a mixin before Keras's functional class;
+    a subclassed model keeps its own): in training, with `remat`, the model
+    runs as its chain of segments, each but the last recomputed; otherwise as
+    Keras runs it."""
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        recomputation = getattr(self, "_recomputation", None)  # None while Keras builds it
+        stages = recomputation.stages if recomputation is not None else None
+        if not (training and stages):
+            return super().call(inputs, training=training, mask=mask, **kwargs)
+        x = inputs
+        with _keras.mask_warning_silenced():
+            for stage in stages:
+                x = stage(x, training=training)
+        return x
+
+
+def _functional_class(cls):
+    return functional_class(cls, _SegmentedCall)
+
+
+class _Recomputation:
+    """A functional model's recomputed segments (`remat=[names]`), or none.
+
+    `stages` is the model's forward pass in training: its segments (functional
+    models over its own layers, cut after each named layer: the TensorFlow
+    line's `SegmentPlan`, which checks the names), each but the last wrapped
+    in `Remat`. A plain holder: Keras does not track the segments.
+    """
+
+    def __init__(self, model, names):
+        self.names = None if names is None else tuple(names)
+        self.plan, self.stages = None, []
+        if names is not None:
+            self.plan, _ = _segments.build_plan(model, list(names))
+            self.stages = [
+                Remat(segment) if recomputed else segment
+                for segment, recomputed in zip(
+                    self.plan.segments, self.plan.recomputed, strict=True
+                )
+            ]
 
 
 def _not_on_jax(feature, received):
@@ -296,5 +397,5 @@ def _refuse_unsupported(model, optimizer, loss):
 
 # The functional form is the one saved and revived, as on the TensorFlow line.
 _keras.register_serializable(package="keras_memopt", name="AccumulatingModel")(
-    functional_class(AccumulatingModel)
+    _functional_class(AccumulatingModel)
 )
