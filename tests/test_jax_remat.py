@@ -147,6 +147,27 @@ class TestExactness:
         got = build(cls, Remat, **split)
         _assert_same(expected, got, _fit_both(expected, got))
 
+    def test_the_keras_mask_reaches_the_loss_through_a_remat(self):
+        # Embedding(mask_zero=True) -> Remat(Dense) -> Dense: the loss counts the
+        # unmasked tokens only where the wrapper's outputs carry the mask.
+        rng = np.random.default_rng(5)
+        tokens, y = rng.integers(0, 6, (SAMPLES, 5)), rng.integers(0, 3, (SAMPLES, 5))
+
+        def build(wrap):
+            keras.utils.set_random_seed(4)
+            inputs = keras.Input((5,), dtype="int32")
+            embedded = keras.layers.Embedding(6, 4, mask_zero=True)(inputs)
+            hidden = wrap(keras.layers.Dense(8, activation="tanh"))(embedded)
+            return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+        expected, got = build(lambda layer: layer), build(Remat)
+        histories = []
+        for model in (expected, got):
+            _compile(model)
+            histories.append(model.fit(tokens, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                       verbose=0).history)
+        _assert_same(expected, got, histories)
+
     def test_a_saved_model_keeps_its_segments(self, tmp_path):
         model = _functional(AccumulatingModel, micro_batch_size=MICRO, remat=["bn1"])
         model.save(tmp_path / "model.keras")
