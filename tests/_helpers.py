@@ -77,3 +77,19 @@ def regression_data(n, features, outputs, seed=0, dtype="float32"):
     x = rng.normal(size=(n, features)).astype(dtype)
     y = rng.normal(size=(n, outputs)).astype(dtype)
     return x, y
+
+
+def load_benchmark(name):
+    """A module of benchmarks/, loaded from its file (they import each other by their
+    bare names, so benchmarks/ goes on the path)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

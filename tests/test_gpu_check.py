@@ -6,12 +6,11 @@ and every part that needs a GPU says that it was skipped. The report's rows are 
 results of the GPU's parts, and the time budget without starting anything.
 """
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+from _helpers import load_benchmark
 from conftest import HAS_GPU, KERAS_LINE, LEGACY
 
 from keras_memopt import _subprocess
@@ -20,16 +19,6 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_check.py"
 CONFIGS = {"accumulating_8", "accumulating_4_remat", "accumulating_4", "plain_4",
            "accumulating_2", "plain_1"}
-
-
-def _load(name):
-    """A module of benchmarks/ (they import each other by their bare names)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +99,7 @@ class TestSmallCheck:
 
 @pytest.fixture(scope="module")
 def report_module():
-    return _load("_gpu_report")
+    return load_benchmark("_gpu_report")
 
 
 def _oom_result(backoffs, steps=(12.5, 0.1, 0.12)):
@@ -167,7 +156,7 @@ class TestReport:
 
 
 def test_no_part_starts_once_the_budget_is_spent():
-    gpu_check = _load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     clock = gpu_check.Clock(budget=0)
     result = gpu_check.run_part("memory", {}, 45, clock, "a part")
     assert result["status"].startswith("skipped: the time budget was spent")

@@ -9,6 +9,7 @@ three epochs of three steps: every weight and every figure `fit` logs.
 
 import numpy as np
 import pytest
+from _helpers import load_benchmark
 
 from keras_memopt._keras import BACKEND, keras
 
@@ -602,18 +603,6 @@ class TestImport:
         _assert_same(model, loaded, histories)
 
 
-def _benchmark(name):
-    """A module of benchmarks/, loaded from its file."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class TestMemory:
     def test_the_step_holds_one_micro_batch_and_one_gradient_sum(self):
         # From XLA's analysis of the compiled step (deterministic; nothing runs it):
@@ -624,7 +613,7 @@ class TestMemory:
         # MB: temporaries 0.93 against 0.59 (plain at 16), 1.71 (Keras's own)
         # and 7.65 (plain at 1024), W = 0.57.
         keras.backend.set_floatx("float32")
-        bench = _benchmark("jax_memory")
+        bench = load_benchmark("jax_memory")
         small = {"features": 32, "width": 256, "depth": 3}
         plain = bench.step_memory(bench.mlp(**small), 16)
         keras_own = bench.step_memory(

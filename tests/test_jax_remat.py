@@ -10,6 +10,7 @@ seed generators), which recomputation must advance once, not twice.
 
 import numpy as np
 import pytest
+from _helpers import load_benchmark
 
 from keras_memopt._keras import BACKEND, keras
 
@@ -265,18 +266,6 @@ class TestRefusals:
             np.testing.assert_array_equal(new, old)
 
 
-def _benchmark(name):
-    """A module of benchmarks/, loaded from its file."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class TestMemory:
     def test_recomputed_segments_hold_fewer_temporaries(self):
         # From XLA's analysis of the compiled step (deterministic; nothing runs
@@ -289,7 +278,7 @@ class TestMemory:
         # of 2 and 4 layers: 8.16 and 9.16, XLA keeping more of a longer
         # segment's recomputation alive). Asserted: at least one tensor per layer.
         keras.backend.set_floatx("float32")
-        bench = _benchmark("jax_memory")
+        bench = load_benchmark("jax_memory")
         deep = {"features": 64, "width": 256, "depth": 8, "activation": "gelu"}
         plain = bench.step_memory(bench.mlp(AccumulatingModel, micro_batch_size=256, **deep), 1024)
         remat = bench.step_memory(
