@@ -93,3 +93,21 @@ def load_benchmark(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class AddsSquaredSum(keras.layers.Layer):
+    """Dense(`units`) that adds the sum of its squared outputs to `model.losses` (a
+    term summed over the samples, which a micro-batch cannot take its share of)."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(self.units)
+        self.dense.build(input_shape)
+
+    def call(self, inputs):
+        outputs = self.dense(inputs)
+        self.add_loss(keras.ops.sum(outputs**2))
+        return outputs

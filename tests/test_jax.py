@@ -9,7 +9,7 @@ three epochs of three steps: every weight and every figure `fit` logs.
 
 import numpy as np
 import pytest
-from _helpers import load_benchmark
+from _helpers import AddsSquaredSum, load_benchmark
 
 from keras_memopt._keras import BACKEND, keras
 
@@ -480,7 +480,7 @@ class TestRefusals:
             data = (np.ones((4, 6, 4)), np.zeros((4, 6), "int64"))
         else:
             inputs = keras.Input((8,))
-            model = AccumulatingModel(inputs, _AddsLoss()(inputs), micro_batch_size=2)
+            model = AccumulatingModel(inputs, AddsSquaredSum(3)(inputs), micro_batch_size=2)
             data = (np.ones((4, 8)), np.zeros(4, "int64"))
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -520,19 +520,6 @@ class TestRefusals:
             build, _classifier_compile, (tokens, y), {"micro_batch_size": BATCH}
         )
         _assert_same(plain, ours, histories)
-
-
-class _AddsLoss(keras.layers.Layer):
-    """Dense(3) that adds the sum of its squared outputs (a sum over the samples)."""
-
-    def build(self, input_shape):
-        self.dense = keras.layers.Dense(3)
-        self.dense.build(input_shape)
-
-    def call(self, inputs):
-        outputs = self.dense(inputs)
-        self.add_loss(keras.ops.sum(outputs**2))
-        return outputs
 
 
 def _tagger_init(self, **kwargs):

@@ -10,7 +10,7 @@ seed generators), which recomputation must advance once, not twice.
 
 import numpy as np
 import pytest
-from _helpers import load_benchmark
+from _helpers import AddsSquaredSum, load_benchmark
 
 from keras_memopt._keras import BACKEND, keras
 
@@ -186,17 +186,6 @@ def _residual(cls, **kwargs):
     return cls(inputs, keras.layers.Dense(3, name="head")(z), **kwargs)
 
 
-class _AddsLoss(keras.layers.Layer):
-    def build(self, input_shape):
-        self.dense = keras.layers.Dense(8)
-        self.dense.build(input_shape)
-
-    def call(self, inputs):
-        outputs = self.dense(inputs)
-        self.add_loss(keras.ops.sum(outputs**2))
-        return outputs
-
-
 BAD_NAMES = [
     (_functional, ["nope"], r"`remat` names layer 'nope', which is not in model"),
     (_residual, ["b"], r"Layer 'b' does not separate the graph of model .*the output of "
@@ -254,7 +243,7 @@ class TestRefusals:
     def test_add_loss_in_a_recomputed_call_is_refused_before_any_update(self):
         keras.utils.set_random_seed(3)
         inputs = keras.Input((8,))
-        outputs = keras.layers.Dense(3)(Remat(_AddsLoss(name="adds"))(inputs))
+        outputs = keras.layers.Dense(3)(Remat(AddsSquaredSum(8, name="adds"))(inputs))
         model = AccumulatingModel(inputs, outputs, micro_batch_size=4)
         _compile(model)
         model.optimizer.build(model.trainable_variables)
