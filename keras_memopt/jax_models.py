@@ -51,7 +51,7 @@ class AccumulatingModel(keras.Model):
     compiled train step splits it along its first axis into micro-batches,
     runs them one after another inside the step (`jax.lax.scan` over the
     equal ones, then the uneven last one at its own shape), adds up their
-    gradients, each weighted by its exact share of the batch's loss, and
+    gradients, each weighted by its exact fraction of the batch's loss, and
     applies **one** optimizer update: plain Keras's update on the whole
     batch. The loss, the per-output losses and the compiled metrics are
     plain Keras's figures for the whole batch. BatchNormalization normalises

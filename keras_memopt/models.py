@@ -40,7 +40,7 @@ class AccumulatingModel(
     The batch that the input pipeline delivers is the *effective* batch. The
     train step splits it along its first axis into micro-batches, runs them
     one after another (so only one micro-batch's activations are alive at a
-    time), adds up their gradients, each micro-batch weighted by its share of
+    time), adds up their gradients, each micro-batch weighted by its fraction of
     the batch's loss, and applies **one** optimizer update: the update plain
     Keras computes on the whole batch. `evaluate` and `predict` split large
     batches the same way. What is exact and what is not (losses, masks,

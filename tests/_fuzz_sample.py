@@ -170,8 +170,8 @@ MOST_COST = 8.0
 # Seeds kept in a line's sample for a bug that `tests/_mutations.py` showed only they catch.
 KEPT = {
     "keras3": {},
-    "tf_keras": {1224: "float32_penalty_share (a conv1d with regularisers, SGD, shares of 3/5 "
-                       "and 2/5): no other case of the sample shows it"},
+    "tf_keras": {1224: "float32_penalty_fraction (a conv1d with regularisers, SGD, "
+                       "fractions of 3/5 and 2/5): no other case of the sample shows it"},
 }
 
 

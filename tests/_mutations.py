@@ -49,26 +49,26 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
-        "equal_shares",
+        "equal_fractions",
         "every micro-batch weighs 1/(number of micro-batches), the last smaller one too",
         ((STEP + "losses.py",
-          "        share = _loop.share_of(_loop.batch_size_of((x, y, sample_weight)),"
+          "        fraction = _loop.fraction_of(_loop.batch_size_of((x, y, sample_weight)),"
           " batch_size)\n",
           "        size = model._run.setting.size_tensor(batch_size)\n"
-          "        share = _loop.share_of(1, (batch_size + size - 1) // size)\n"),),
+          "        fraction = _loop.fraction_of(1, (batch_size + size - 1) // size)\n"),),
     ),
     Mutation(
         "penalty_per_micro_batch",
-        "each micro-batch adds a whole regulariser (or mean add_loss) term, not its share",
+        "each micro-batch adds a whole regulariser (or mean add_loss) term, not its fraction",
         ((STEP + "losses.py",
-          "return term * tf.cast(sum_share if kind == SUM else mean_share, term.dtype)",
-          "return term * tf.cast(sum_share, term.dtype)"),),
+          "return term * tf.cast(sum_fraction if kind == SUM else mean_fraction, term.dtype)",
+          "return term * tf.cast(sum_fraction, term.dtype)"),),
     ),
     Mutation(
-        "sample_weight_without_share",
-        "a micro-batch's sample weights are passed on without its share of the batch",
+        "sample_weight_without_fraction",
+        "a micro-batch's sample weights are passed on without its fraction of the batch",
         ((STEP + "losses.py",
-          "    return tf.cast(sample_weight, dtype) * tf.cast(share, dtype)\n",
+          "    return tf.cast(sample_weight, dtype) * tf.cast(fraction, dtype)\n",
           "    return tf.cast(sample_weight, dtype)\n"),),
     ),
     Mutation(
@@ -98,18 +98,18 @@ MUTATIONS = (
     ),
     Mutation(
         "own_token_count",
-        "a masked output's micro-batch loss weighed by its samples' share, not its tokens'",
+        "a masked output's micro-batch loss weighed by its samples' fraction, not its tokens'",
         ((STEP + "losses.py",
-          "            counted = _masked_share(mask, valid, index)\n",
-          "            counted = share\n"),),
+          "            counted = _masked_fraction(mask, valid, index)\n",
+          "            counted = fraction\n"),),
     ),
     Mutation(
-        "float32_penalty_share",
-        "a regulariser's share cast to float32 (in a float64 model)",
+        "float32_penalty_fraction",
+        "a regulariser's fraction cast to float32 (in a float64 model)",
         ((STEP + "losses.py",
-          "return term * tf.cast(sum_share if kind == SUM else mean_share, term.dtype)",
-          "return term * tf.cast(tf.cast(sum_share if kind == SUM else mean_share, tf.float32),"
-          " term.dtype)"),),
+          "return term * tf.cast(sum_fraction if kind == SUM else mean_fraction, term.dtype)",
+          "return term * tf.cast(tf.cast(sum_fraction if kind == SUM else mean_fraction,"
+          " tf.float32), term.dtype)"),),
     ),
 )
 

@@ -298,11 +298,11 @@ class TestTheComparison:
         assert relative_error([1e-16], [-5e-16]) <= RTOL  # rounding of a zero figure
         assert relative_error([1e-8], [1.1e-8]) > RTOL
 
-    def test_a_float32_share_fails_the_float64_comparison(self, monkeypatch):
-        def float32_share(part, whole):
+    def test_a_float32_fraction_fails_the_float64_comparison(self, monkeypatch):
+        def float32_fraction(part, whole):
             return tf.cast(tf.cast(part, tf.float32) / tf.cast(whole, tf.float32), tf.float64)
 
-        monkeypatch.setattr(_loop, "share_of", float32_share)
+        monkeypatch.setattr(_loop, "fraction_of", float32_fraction)
         result = run(case(samples=23, batch_size=9, split=(("micro_batch_size", 7),)))
         assert not result.passed
         assert 1e-9 < result.worst < 1e-5, result.line()

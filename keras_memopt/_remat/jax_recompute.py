@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from keras_memopt._keras import keras
-from keras_memopt._step.jax_shares import Refused
+from keras_memopt._step.jax_fractions import Refused
 
 
 class NotRecomputable(Refused, ValueError):

@@ -169,7 +169,7 @@ class CustomSteps:
         The building block of a custom `train_step`: it runs
         `loss_fn(micro_batch)` over the micro-batches of `data` in the loop
         `train_step` uses (one micro-batch's activations alive at a time),
-        weights each micro-batch's loss by its share of the batch (its number
+        weights each micro-batch's loss by its fraction of the batch (its number
         of samples over the batch's), and returns the batch's loss and the
         summed gradients for `variables`: what one `tf.GradientTape` over the
         whole batch gives when `loss_fn` returns a mean over samples. Call it
@@ -243,10 +243,10 @@ class CustomSteps:
             return _dtypes.widened(loss), gradients
 
         def micro_step(micro):
-            share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
+            fraction = _loop.fraction_of(_loop.batch_size_of(micro), batch_size)
             with tf.GradientTape() as tape:
                 loss = loss_fn(micro)
-                loss = loss * tf.cast(share, loss.dtype)
+                loss = loss * tf.cast(fraction, loss.dtype)
                 scaled = _keras.scale_loss(optimizer, loss)
             return _dtypes.widened(loss), tape.gradient(scaled, variables)
 

@@ -6,14 +6,14 @@ split at trace time (shapes are static on JAX) into `k` equal micro-batches
 of `m` samples, run by `jax.lax.scan`, and a last micro-batch of the `r`
 samples left over, run once more by the same function at its own static
 shape: nothing is padded into the loss (`Split`). Each micro-batch's gradient
-is taken of its exact share of the batch's loss; the shares add up, in the
+is taken of its exact fraction of the batch's loss; the fractions add up, in the
 gradients' own dtype, to the whole batch's gradient, which
 `optimizer.stateless_apply` applies once. `test_step` and `predict_step`
 split the same way, without gradients.
 
-Each micro-batch's share of the batch's loss (`keras_memopt._step.jax_shares`)
+Each micro-batch's fraction of the batch's loss (`keras_memopt._step.jax_fractions`)
 reaches Keras's own loss container as sample weights (the user's, times the
-share), so `loss_weights`, class and sample weights, masks and ignored
+fraction), so `loss_weights`, class and sample weights, masks and ignored
 classes stay Keras's. The terms of `model.losses` that this step takes
 (weight regularisers, Keras's activity regularisers) are means over the
 samples or do not depend on them: each micro-batch adds `n_i / N` of them
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from keras_memopt import _keras
 from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
-from keras_memopt._step.jax_shares import Counter, Refused, output_weights
+from keras_memopt._step.jax_fractions import Counter, Refused, output_weights
 
 tree = keras.tree
 
@@ -120,10 +120,10 @@ def train_step(model, micro_batch_size, state, data):
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        shares = counter.shares(xs, ys, batch_size_of(xs) / split.size, counts)
+        fractions = counter.fractions(xs, ys, batch_size_of(xs) / split.size, counts)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
-            xs, ys, ws, shares,
+            xs, ys, ws, fractions,
         )
         unscaled, y_pred, non_trainable, trackers = aux
         return non_trainable, (grads, unscaled, trackers), y_pred
@@ -153,10 +153,10 @@ def test_step(model, micro_batch_size, state, data):
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        shares = counter.shares(xs, ys, batch_size_of(xs) / split.size, counts)
+        fractions = counter.fractions(xs, ys, batch_size_of(xs) / split.size, counts)
         _, (loss, y_pred, non_trainable, trackers) = _micro_loss(
             model, trainable, non_trainable, metrics_variables, None,
-            xs, ys, ws, shares,
+            xs, ys, ws, fractions,
         )
         return non_trainable, (loss, trackers), y_pred
 
@@ -189,18 +189,18 @@ def predict_step(model, micro_batch_size, state, data):
 
 
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,
-                x, y, sample_weight, shares):
-    """A micro-batch's share of the batch's loss (scaled as the optimizer scales it)
+                x, y, sample_weight, fractions):
+    """A micro-batch's fraction of the batch's loss (scaled as the optimizer scales it)
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
-    `compute_loss_and_updates` with the share in the sample weights and the terms."""
+    `compute_loss_and_updates` with the fraction in the sample weights and the terms."""
     training = optimizer_variables is not None  # None: `evaluate`'s step
     kwargs = {"training": training} if _keras.calls_with_training(model) else {}
     y_pred, non_trainable, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
     refuse_sample_dependent_terms(model, losses)
-    weights = output_weights(y_pred, sample_weight, shares)
-    terms = [term * shares.samples for term in losses]
+    weights = output_weights(y_pred, sample_weight, fractions)
+    terms = [term * fractions.samples for term in losses]
     with _jax.losses_replaced(model, terms) if terms else contextlib.nullcontext():
         loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_variables,

@@ -1,4 +1,4 @@
-"""Metrics that layers update as they run, weighted by each micro-batch's share.
+"""Metrics that layers update as they run, weighted by each micro-batch's fraction.
 
 A layer may update a metric of its own in `call` (tf_keras's `add_metric`, a
 Keras 3 layer's `keras.metrics.Mean` attribute); `fit` logs it. Plain Keras
@@ -11,9 +11,9 @@ micro-batch's):
 - per element (its count grows with the samples: a per-sample tensor): the
   micro-batches' updates are the batch's as they are;
 - a mean over samples (one value per call, the same when the samples repeat):
-  each micro-batch's update weighs by its share of the batch;
+  each micro-batch's update weighs by its fraction of the batch;
 - a sum over samples (one value per call, doubled): its value counts whole,
-  its count by the share.
+  its count by the fraction.
 
 Anything else (a maximum) is logged as the mean of its micro-batches' values,
 with a warning. A forward pass that is not the step's own (the counts of a
@@ -46,22 +46,22 @@ def _is_mean(metric) -> bool:
     return hasattr(metric, "total") and hasattr(metric, "count")
 
 
-def weighted(model, kinds, share, fn):
+def weighted(model, kinds, fraction, fn):
     """`fn()`, with what it adds to the layers' `Mean` metrics weighted for a
-    micro-batch that is `share` of the batch (`kinds` from the first step's probe);
-    `share=None`: with nothing added (a forward pass that is not the step's)."""
+    micro-batch that is `fraction` of the batch (`kinds` from the first step's probe);
+    `fraction=None`: with nothing added (a forward pass that is not the step's)."""
     means = layer_means(model)
     pairs = list(zip(means, (*kinds, *[None] * (len(means) - len(kinds))), strict=False))
-    if share is not None:
+    if fraction is not None:
         pairs = [(metric, kind) for metric, kind in pairs if kind in (MEAN, SUM)]
     if not pairs:
         return fn()
     before = [(tf.identity(m.total), tf.identity(m.count)) for m, _ in pairs]
     result = fn()
     for (metric, kind), (total, count) in zip(pairs, before, strict=True):
-        weight = tf.cast(0.0 if share is None else share, total.dtype)
+        weight = tf.cast(0.0 if fraction is None else fraction, total.dtype)
         added = metric.total - total
-        whole = kind == SUM and share is not None  # a sum's value counts whole
+        whole = kind == SUM and fraction is not None  # a sum's value counts whole
         metric.total.assign(total + (added if whole else added * weight))
         metric.count.assign(count + (metric.count - count) * weight)
     return result

@@ -37,7 +37,7 @@ from keras_memopt import _autograph, _dtypes
 from keras_memopt._step.scopes import GRADIENT_SUM_SCOPE
 
 
-def share_of(part, whole) -> tf.Tensor:
+def fraction_of(part, whole) -> tf.Tensor:
     """`part / whole` of two sample counts, in float64.
 
     Cast to any float dtype at its use, it is that dtype's nearest value of

@@ -1,11 +1,11 @@
-"""Each micro-batch's exact share of the batch's loss, and the loss of a whole batch.
+"""Each micro-batch's exact fraction of the batch's loss, and the loss of a whole batch.
 
 Keras divides a loss by a count of the batch: its samples (the default
 `"sum_over_batch_size"` reduction), or, when the model's output carries a mask
 (`Embedding(mask_zero=True)`, `Masking`) or the loss ignores a class
 (`SparseCategoricalCrossentropy(ignore_class=...)`), the elements left
 (unmasked and not ignored). Run on a micro-batch, the same loss is divided by
-the micro-batch's own count, so its share of the batch's loss is its count
+the micro-batch's own count, so its fraction of the batch's loss is its count
 over the batch's:
 
 - an output without a mask or an ignored class: `n_i / N` (samples);
@@ -17,7 +17,7 @@ over the batch's:
   `n_i / N` when it averages over samples or does not depend on them, and `1`
   when it sums over them (the micro-batches' sums add up to the batch's).
 
-The shares enter Keras's own loss computation as sample weights (scalars, so
+The fractions enter Keras's own loss computation as sample weights (scalars, so
 they broadcast onto any loss shape), so losses, masks, class and sample
 weights, `loss_weights` and distribution scaling stay Keras's. What each term
 does with the samples, and which class each output's loss ignores, is found
@@ -129,7 +129,7 @@ def summed_outputs(model, y=None) -> tuple:
 
 
 # A loss's reductions that split over micro-batches: the means over the samples
-# (each micro-batch weighted by its share) and the sum (unweighted).
+# (each micro-batch weighted by its fraction) and the sum (unweighted).
 _SPLIT_REDUCTIONS = (None, "sum_over_batch_size", "mean", "auto", "sum")
 
 
@@ -215,49 +215,49 @@ class LossSplit:
         divides each output's loss by over the batch (`batch_counts`).
         """
         model = self.model
-        share = _loop.share_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
+        fraction = _loop.fraction_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
         if overrides(model, "compute_loss") or not (has_compiled_loss(model) or model.losses):
             # A user's own loss: exact when it averages over samples (or Keras's
             # error where there is no loss at all).
             loss = _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
-            return loss * tf.cast(share, loss.dtype)
+            return loss * tf.cast(fraction, loss.dtype)
         if _keras_losses.PER_SAMPLE_CONTAINER:
             # The container adds the terms, per sample of the micro-batch.
-            terms = [self._term(t, i, 1.0, 1.0 / share) for i, t in enumerate(model.losses)]
-            return self.compiled_share(y, y_pred, sample_weight, share, valid, terms)
+            terms = [self._term(t, i, 1.0, 1.0 / fraction) for i, t in enumerate(model.losses)]
+            return self.compiled_fraction(y, y_pred, sample_weight, fraction, valid, terms)
         if has_compiled_loss(model):
-            loss = self.compiled_share(y, y_pred, sample_weight, share, valid)
+            loss = self.compiled_fraction(y, y_pred, sample_weight, fraction, valid)
         else:  # `compile(loss=None)`: the terms of `model.losses` are the loss
             loss = tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
         for index, term in enumerate(model.losses):
             term = _keras_losses.additional_loss(model, term)
-            loss += tf.cast(self._term(term, index, share, 1.0), loss.dtype)
+            loss += tf.cast(self._term(term, index, fraction, 1.0), loss.dtype)
         return loss
 
-    def compiled_share(self, y, y_pred, sample_weight, share, valid, terms=(), form=None):
-        """The compiled loss of a micro-batch's outputs, its share of the batch's
+    def compiled_fraction(self, y, y_pred, sample_weight, fraction, valid, terms=(), form=None):
+        """The compiled loss of a micro-batch's outputs, its fraction of the batch's
         (see the module docstring), with `terms` on tf_keras."""
         form = form or self.form or LossForm()
         masks = self.divisor_masks(y, y_pred, form)
         if _keras_losses.PER_SAMPLE_CONTAINER:
             # Per sample of the micro-batch (see the module docstring).
-            shares = _output_shares(masks, form.summed, valid, share, None)
-            weights = _output_weights(y_pred, sample_weight, shares)
+            fractions = _output_fractions(masks, form.summed, valid, fraction, None)
+            weights = _output_weights(y_pred, sample_weight, fractions)
             loss = _keras_losses.compiled_loss(self.model, y, y_pred, weights, list(terms))
-            return loss * tf.cast(share, loss.dtype)
-        shares = _output_shares(masks, form.summed, valid, share, share)
-        weights = _output_weights(y_pred, sample_weight, shares)
+            return loss * tf.cast(fraction, loss.dtype)
+        fractions = _output_fractions(masks, form.summed, valid, fraction, fraction)
+        weights = _output_weights(y_pred, sample_weight, fractions)
         with _one_update_each(self.model, y_pred):
             return _keras_losses.compiled_loss(self.model, y, y_pred, weights, [])
 
-    def penalty(self, share) -> tf.Tensor:
-        """The terms of `model.losses` of the last call, each with its share, summed
+    def penalty(self, fraction) -> tf.Tensor:
+        """The terms of `model.losses` of the last call, each with its fraction, summed
         (in the terms' `_dtypes.sum_dtype`; Keras's float type when there are none).
 
         Not scaled for replicas: Keras scales it where it adds it
         (`whole_batch_loss`, `_keras_losses.additional_loss`).
         """
-        terms = [self._term(t, i, share, 1.0) for i, t in enumerate(self.model.losses)]
+        terms = [self._term(t, i, fraction, 1.0) for i, t in enumerate(self.model.losses)]
         if not terms:
             return tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
         return tf.add_n([tf.cast(t, terms[0].dtype) for t in terms])
@@ -269,43 +269,43 @@ class LossSplit:
             self.model, x, y, y_pred, sample_weight, [penalty], training
         )
 
-    def _term(self, term, index, mean_share, sum_share):
+    def _term(self, term, index, mean_fraction, sum_fraction):
         kinds = (self.form or LossForm()).terms
         kind = kinds[index] if index < len(kinds) else None
         term = tf.reduce_sum(_dtypes.widened(term))
-        return term * tf.cast(sum_share if kind == SUM else mean_share, term.dtype)
+        return term * tf.cast(sum_fraction if kind == SUM else mean_fraction, term.dtype)
 
 
-def _masked_share(mask, valid, index):
-    """The micro-batch's share of output `index`'s count over the batch (float64)."""
+def _masked_fraction(mask, valid, index):
+    """The micro-batch's fraction of output `index`'s count over the batch (float64)."""
     count = tf.reduce_sum(tf.cast(mask, tf.float64))
     return tf.math.divide_no_nan(count, valid[index])
 
 
-def _output_shares(masks, summed, valid, share, samples):
+def _output_fractions(masks, summed, valid, fraction, samples):
     """What each flat output's loss of a micro-batch is weighted by, relative to
-    `share` (the micro-batch's samples over the batch's): `samples` where Keras
+    `fraction` (the micro-batch's samples over the batch's): `samples` where Keras
     counts samples (the same for every output: `samples` itself, not a list),
-    its count's share where it counts elements (`valid`), and one where the
+    its count's fraction where it counts elements (`valid`), and one where the
     loss sums over the batch."""
     summed = summed or (False,) * len(masks)
     if not any(summed) and all(mask is None for mask in masks):
         return samples
     one = tf.ones([], tf.float64)
-    shares = []
+    fractions = []
     for index, (mask, sums) in enumerate(zip(masks, summed, strict=True)):
         if sums:
-            shares.append(one / share if samples is None else one)
+            fractions.append(one / fraction if samples is None else one)
         elif mask is not None:
-            counted = _masked_share(mask, valid, index)
-            shares.append(counted / share if samples is None else counted)
+            counted = _masked_fraction(mask, valid, index)
+            fractions.append(counted / fraction if samples is None else counted)
         else:
-            shares.append(samples)
-    return shares
+            fractions.append(samples)
+    return fractions
 
 
-def _output_weights(y_pred, sample_weight, shares):
-    """Sample weights carrying each output's share: `shares` is one share for all
+def _output_weights(y_pred, sample_weight, fractions):
+    """Sample weights carrying each output's fraction: `fractions` is one fraction for all
     outputs, or a list of one per flat output (None: the weight as it is).
 
     `sample_weight` is what Keras hands the step: None, one tensor, or one per
@@ -316,34 +316,35 @@ def _output_weights(y_pred, sample_weight, shares):
         # Keras 3 squeezes the loss of a sample known to be alone (run eagerly)
         # with a scalar weight to a scalar, which its reduction then leaves
         # unscaled for the replicas: a weight per sample.
-        shares = tf.nest.map_structure(lambda s: None if s is None else tf.reshape(s, [1]), shares)
-    if not isinstance(shares, list):
-        # Every output's share is the micro-batch's: each weight scaled by it.
+        fractions = tf.nest.map_structure(
+            lambda s: None if s is None else tf.reshape(s, [1]), fractions)
+    if not isinstance(fractions, list):
+        # Every output's fraction is the micro-batch's: each weight scaled by it.
         if sample_weight is None:
-            return shares
-        return tf.nest.map_structure(lambda w: _scaled(w, shares), sample_weight)
+            return fractions
+        return tf.nest.map_structure(lambda w: _scaled(w, fractions), sample_weight)
     flat = tf.nest.flatten(y_pred)
     if tf.nest.is_nested(sample_weight):
         user = tf.nest.flatten(sample_weight)
     else:
         user = [sample_weight] * len(flat)
-    weights = [_scaled(w, s) for w, s in zip(user, shares, strict=True)]
+    weights = [_scaled(w, s) for w, s in zip(user, fractions, strict=True)]
     return tf.nest.pack_sequence_as(y_pred, weights) if tf.nest.is_nested(y_pred) else weights[0]
 
 
-def _scaled(sample_weight, share):
-    """`sample_weight` times `share`, in the sample weight's float dtype or Keras's
+def _scaled(sample_weight, fraction):
+    """`sample_weight` times `fraction`, in the sample weight's float dtype or Keras's
     float type, the wider (Keras casts the weights to the loss's type: float32
-    weights of a float64 model times a float32 share would round the share);
-    `share` alone where there is no weight."""
-    if share is None:
+    weights of a float64 model times a float32 fraction would round the fraction);
+    `fraction` alone where there is no weight."""
+    if fraction is None:
         return sample_weight
     if sample_weight is None:
-        return share
+        return fraction
     dtype = tf.as_dtype(_keras.keras.backend.floatx())
     if sample_weight.dtype.is_floating and sample_weight.dtype.size > dtype.size:
         dtype = sample_weight.dtype
-    return tf.cast(sample_weight, dtype) * tf.cast(share, dtype)
+    return tf.cast(sample_weight, dtype) * tf.cast(fraction, dtype)
 
 
 class OutputLossTrackers:
@@ -370,7 +371,7 @@ class OutputLossTrackers:
         """`weight`: the batch's static size (Keras 3's weight of a batch's loss);
         `scale` turns this replica's loss into its mean; `loss`: the loop's sum."""
         for tracker, (total, count) in zip(self.trackers, self.before, strict=True):
-            # Inside the loop each micro-batch added its share of the loss with weight one.
+            # Inside the loop each micro-batch added its fraction of the loss with weight one.
             loss_of_output = (tracker.total - total) * tf.cast(scale, tracker.total.dtype)
             tracker.total.assign(total)
             tracker.count.assign(count)

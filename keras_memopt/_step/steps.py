@@ -157,7 +157,7 @@ class MicroBatchSteps:
         """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
         The pass `train_step` and `test_step` share. `micro_step` returns the
-        micro-batch's share of the loss first. `counts` are what Keras divides
+        micro-batch's fraction of the loss first. `counts` are what Keras divides
         each output's loss by, over the whole batch: counted before the loop
         where the first step's check found an output with a mask or a loss
         that ignores a class (`LossForm.counted_by`, see
@@ -175,9 +175,9 @@ class MicroBatchSteps:
         outputs = _loop.accumulate(
             micro_step, data, size, counts, jit_compile=jit, reductions=reductions
         )
-        # With uneven replica shares, what the loss shares count against is
+        # With uneven replica shares, what the loss fractions count against is
         # not this replica's batch: the trackers take this replica's mean.
-        scale = _loop.share_of(batch_size, replica_batch)
+        scale = _loop.fraction_of(batch_size, replica_batch)
         trackers.apply(_loop.static_batch_size(data[0]), scale, tf.nest.flatten(outputs)[0])
         return outputs, scale
 
@@ -250,11 +250,11 @@ class MicroBatchSteps:
         size = self._run.setting.size_tensor(replica_batch)
 
         def forward(micro):
-            share = _loop.share_of(_loop.batch_size_of(micro), replica_batch)
+            fraction = _loop.fraction_of(_loop.batch_size_of(micro), replica_batch)
             y_pred = self._layer_metrics_weighted(
                 micro, replica_batch, lambda: self._forward(micro[0], training=training)
             )
-            return y_pred, self._run.loss_split.penalty(share)
+            return y_pred, self._run.loss_split.penalty(fraction)
 
         def loss_fn(y_pred, penalty):
             split = self._run.loss_split
@@ -274,10 +274,10 @@ class MicroBatchSteps:
 
     def _layer_metrics_weighted(self, micro, batch_size, fn):
         """`fn()`, with what it adds to the layers' own metrics weighted by the
-        micro-batch's share of `batch_size` samples (`keras_memopt._step.layer_metrics`)."""
-        share = _loop.share_of(_loop.batch_size_of(micro), batch_size)
+        micro-batch's fraction of `batch_size` samples (`keras_memopt._step.layer_metrics`)."""
+        fraction = _loop.fraction_of(_loop.batch_size_of(micro), batch_size)
         kinds = (self._run.loss_split.form or _losses.LossForm()).metrics
-        return _layer_metrics.weighted(self, kinds, share, fn)
+        return _layer_metrics.weighted(self, kinds, fraction, fn)
 
     def _uncounted(self, fn):
         """`fn()`, leaving the layers' own metrics as they were: a pass that is not the

@@ -57,7 +57,7 @@ class WholeBatch:
         model: the `AccumulatingModel` (its random state is replayed).
         forward: a function of one micro-batch (a slice of the data) returning
             `(outputs, penalty)`: a nest of output tensors, and a float
-            scalar added to the loss (the micro-batch's share of the
+            scalar added to the loss (the micro-batch's fraction of the
             `model.losses` terms; `tf.zeros([])` for none).
         jit_compile: whether each micro-batch's pass is compiled with XLA.
         rerun: runs a function of no arguments, step 3's pass (a rerun of step

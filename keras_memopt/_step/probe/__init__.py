@@ -1,6 +1,6 @@
 """The first step's probe: a few samples, repeated, to see what the loss and metrics do.
 
-Micro-batches weighted by their share of the batch add up to the batch's loss when
+Micro-batches weighted by their fraction of the batch add up to the batch's loss when
 the loss is a mean of per-sample terms, and to its metrics when a metric accumulates
 per-sample values. Before the first step the probe evaluates, in inference mode and
 putting back what it changes, on the batch's first two samples, on them repeated
@@ -9,7 +9,7 @@ random layer cannot fool it) and each term of `model.losses` (`probe.loss`), the
 compiled metrics and the `Mean`s layers update in `call` (`probe.metrics`), and a
 custom step's `loss_fn` (`keras_memopt._step.custom_steps`). Each value is a `Seen`:
 a mean keeps its value on the repeated samples and is the sum of the samples' own
-parts weighted by their shares; a sum doubles; anything else couples the samples.
+parts weighted by their fractions; a sum doubles; anything else couples the samples.
 A value zero on two samples tells nothing (a loss of pairs on two of one class): the
 batch's next pairs are probed (`pairs`).
 

@@ -1,9 +1,9 @@
 """The loss and the terms of `model.losses` on repeated samples (`keras_memopt._step.probe`).
 
-What is evaluated and why: docs/accumulation.md, "How the share is found". The loss
+What is evaluated and why: docs/accumulation.md, "How the fraction is found". The loss
 comes from one forward pass (a random layer cannot fool it), also one sample at a time
 as the micro-batches weigh it (a ratio of sums, a Dice loss, does not add up) and
-weighted one on a sample (Keras may divide by a count the shares do not know).
+weighted one on a sample (Keras may divide by a count the fractions do not know).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _norm(gradients) -> tf.Tensor:
 
 def _each_sample(model, split, form, x, y, y_pred):
     """`(parts, magnitude, own, alone)` on a few samples' outputs: the loss as
-    micro-batches of one sample add it up (`split.compiled_share`, with the shares
+    micro-batches of one sample add it up (`split.compiled_fraction`, with the fractions
     `form` gives) and the sum of the parts' absolute values; and for the sample whose
     part differs most, the loss weighted one on it and zero elsewhere (`own`, NaN for
     an overridden `compute_loss`) and its part (`alone`)."""
@@ -274,8 +274,8 @@ def _each_sample(model, split, form, x, y, y_pred):
             parts.append(loss * tf.cast(1 / count, loss.dtype))
             own.append(nan)
             continue
-        share = _loop.share_of(1, count)
-        parts.append(split.compiled_share(*one[1:], None, share, valid, form=form))
+        fraction = _loop.fraction_of(1, count)
+        parts.append(split.compiled_fraction(*one[1:], None, fraction, valid, form=form))
         own.append(_weighted_on(model, index, count, y, y_pred))
     parts, own = (tf.stack([tf.cast(v, tf.float64) for v in vs]) for vs in (parts, own))
     worst = tf.argmax(tf.where(tf.math.is_nan(own), tf.zeros_like(own), tf.abs(own - parts)))

@@ -1,4 +1,4 @@
-"""Each micro-batch's share of the batch's loss, on JAX (the step: `jax_step`).
+"""Each micro-batch's fraction of the batch's loss, on JAX (the step: `jax_step`).
 
 Keras divides each output's loss by what it counts in the batch, so a
 micro-batch's loss, run alone, is divided by its own count; times its count
@@ -42,12 +42,12 @@ class Refused(NotImplementedError):
     it runs): `jax_step.restored_on_refusal` puts the model's state back."""
 
 
-class Shares(list):
-    """Each flat output's share of the batch's loss, and `samples`, the
-    micro-batch's share of the samples (`n_i / N`, also the terms')."""
+class Fractions(list):
+    """Each flat output's fraction of the batch's loss, and `samples`, the
+    micro-batch's fraction of the samples (`n_i / N`, also the terms')."""
 
-    def __init__(self, shares, samples):
-        super().__init__(shares)
+    def __init__(self, fractions, samples):
+        super().__init__(fractions)
         self.samples = samples
 
 
@@ -97,19 +97,19 @@ class Counter:
         dtype = jnp.result_type(float)
         return [None if c is None else jnp.sum(c).astype(dtype) for c in self.counted(x, y)]
 
-    def shares(self, x, y, samples, totals) -> Shares:
-        """A micro-batch's (inputs `x`, targets `y`) share of each output's loss:
+    def fractions(self, x, y, samples, totals) -> Fractions:
+        """A micro-batch's (inputs `x`, targets `y`) fraction of each output's loss:
         `samples` (`n_i / N`), its count over the batch's `totals`, or one."""
-        shares = []
+        fractions = []
         for counted, sums, total in zip(self.counted(x, y), self.summed, totals, strict=True):
             if sums:
-                shares.append(1.0)
+                fractions.append(1.0)
             elif counted is not None:
                 count = jnp.sum(counted).astype(total.dtype)
-                shares.append(jnp.where(total > 0, count / jnp.where(total > 0, total, 1), 0))
+                fractions.append(jnp.where(total > 0, count / jnp.where(total > 0, total, 1), 0))
             else:
-                shares.append(samples)
-        return Shares(shares, samples)
+                fractions.append(samples)
+        return Fractions(fractions, samples)
 
 
 class _MaskAttached(keras.layers.Layer):
@@ -179,33 +179,33 @@ def _flat_targets(y, outputs):
     return flat if len(flat) == outputs else [None] * outputs
 
 
-def output_weights(y_pred, sample_weight, shares):
-    """The sample weights that carry each output's share of the batch's loss
-    (`shares`): the user's sample weights, one array for every output or one
-    per output as Keras pairs them (by the outputs' structure), times the share."""
+def output_weights(y_pred, sample_weight, fractions):
+    """The sample weights that carry each output's fraction of the batch's loss
+    (`fractions`): the user's sample weights, one array for every output or one
+    per output as Keras pairs them (by the outputs' structure), times the fraction."""
     flat = tree.flatten(y_pred)
     if tree.is_nested(sample_weight):
         user = tree.flatten(sample_weight)
     else:
         user = [sample_weight] * len(flat)
-    if len(user) != len(flat) or len(shares) != len(flat):
+    if len(user) != len(flat) or len(fractions) != len(flat):
         raise ValueError(
             "AccumulatingModel on JAX pairs one sample weight and one loss with each "
             f"output; the model has {len(flat)} output(s). Received: "
-            f"{len(user)} sample weight(s) for {len(shares)} loss(es)"
+            f"{len(user)} sample weight(s) for {len(fractions)} loss(es)"
         )
-    weights = [_scaled(w, s) for w, s in zip(user, shares, strict=True)]
+    weights = [_scaled(w, s) for w, s in zip(user, fractions, strict=True)]
     return tree.pack_sequence_as(y_pred, weights) if tree.is_nested(y_pred) else weights[0]
 
 
-def _scaled(sample_weight, share):
-    """`sample_weight * share` (Keras's float type or the weight's, the wider), or
-    `share` where there is no weight: one scalar, which Keras broadcasts onto any
+def _scaled(sample_weight, fraction):
+    """`sample_weight * fraction` (Keras's float type or the weight's, the wider), or
+    `fraction` where there is no weight: one scalar, which Keras broadcasts onto any
     loss shape (a sequence's, with its mask), as the TensorFlow line does."""
     dtype = jnp.dtype(keras.backend.floatx())
     if sample_weight is None:
-        return jnp.asarray(share, dtype)
+        return jnp.asarray(fraction, dtype)
     weight = jnp.asarray(sample_weight)
     if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
         dtype = weight.dtype
-    return weight.astype(dtype) * jnp.asarray(share, dtype)
+    return weight.astype(dtype) * jnp.asarray(fraction, dtype)
