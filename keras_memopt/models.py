@@ -37,16 +37,12 @@ class AccumulatingModel(
 ):
     """A `keras.Model` whose train step accumulates gradients over micro-batches.
 
-    The batch that the input pipeline delivers is the *effective* batch. The
-    train step splits it along its first axis into micro-batches, runs them
-    one after another (so only one micro-batch's activations are alive at a
-    time), adds up their gradients, each micro-batch weighted by its fraction of
-    the batch's loss, and applies **one** optimizer update: the update plain
-    Keras computes on the whole batch. `evaluate` and `predict` split large
-    batches the same way. What is exact and what is not (losses, masks,
-    BatchNormalization, sparse gradients, mixed precision, XLA, distribution
-    strategies) is stated once, in the user guide's page "Accumulation and
-    its semantics" (docs/accumulation.md).
+    The train step splits the batch the input pipeline delivers (the
+    *effective* batch) along its first axis into micro-batches, runs them one
+    after another, adds up their gradients, each weighted by its fraction of the
+    batch's loss, and applies **one** optimizer update: the one plain Keras
+    computes on the whole batch. `evaluate` and `predict` split large batches
+    the same way. What is exact and what is not: docs/accumulation.md.
 
     Use it in one of three ways:
 
@@ -63,26 +59,20 @@ class AccumulatingModel(
         micro_batch_size: int, the number of samples in each micro-batch
             (per replica under a distribution strategy). The last micro-batch
             of a batch may be smaller; a batch smaller than `micro_batch_size`
-            is one micro-batch. `"auto"`: from the first step, the largest
-            size that trains a run of 10 steps and leaves the spread of their
-            peaks free, found by trying real steps (failed attempts rolled
-            back), starting from the whole batch and shrinking by half (or by
-            an attached `OOMBackoff`'s factor); the choice, the margin it kept
-            and its cost are printed and kept in `model.micro_batch_search`.
+            is one micro-batch. `"auto"`: the largest size that trains, found
+            at the first step by trying real steps (failed attempts rolled
+            back), kept in `model.micro_batch_search`; see docs/oom-backoff.md.
         accumulation_steps: int, the number of micro-batches to split each
             batch into, as evenly as possible. Give at most one of
             `micro_batch_size` and `accumulation_steps`; with neither, each
             batch is one micro-batch (until, say, `OOMBackoff` shrinks it).
-        remat: recomputed ("rematerialised") segments of a functional model:
-            their activations are freed after the forward pass and recomputed
-            in the backward pass, exactly (same dropout masks, BatchNorm
-            statistics updated once). `"auto"` chooses the segments from the
-            graph and its activation sizes (see `keras_memopt.remat.
-            plan_segments`); a list of layer names cuts the model after each
-            named layer, whose output must separate the graph, and recomputes
-            every segment but the last. `recomputed_segments` lists what was
-            chosen. Subclassed models wrap blocks in `keras_memopt.Remat`
-            instead. Defaults to `None` (no recomputation).
+        remat: recomputed segments of a functional model, their activations
+            freed after the forward pass and recomputed, exactly, in the
+            backward pass. `"auto"` chooses them from the graph; a list of
+            layer names cuts the model after each named layer, whose output
+            must separate the graph, and recomputes every segment but the
+            last. Subclassed models wrap blocks in `keras_memopt.Remat`
+            instead. See docs/remat.md. Defaults to `None`.
         replica_shares: under a `tf.distribute.MirroredStrategy`, each
             replica's share of every batch (a list of positive numbers, or
             `"auto"` for each device's memory). Defaults to `None` (even parts).
@@ -93,18 +83,12 @@ class AccumulatingModel(
         device_cuts: `"auto"` (balanced by memory) or the names of the
             `len(devices) - 1` layers whose outputs end the segments, as for
             `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
-        whole_batch_loss: bool. `True` evaluates the loss (compiled, or an
-            overridden `compute_loss`) and the compiled metrics once, on the
-            whole batch's outputs, for losses that couple the samples of a
-            batch (contrastive losses such as CLIP or InfoNCE, listwise
-            ranking): each micro-batch runs forward once to collect its
-            outputs, then again under a tape, with the same random numbers, to
-            back-propagate its rows of the loss's gradient. Exact for any loss
-            of the outputs, for about one more forward pass; memory: the whole
-            batch's outputs beside one micro-batch's activations. See the user
-            guide's page "Losses over the whole batch". Defaults to `False`
-            (the loss must be a mean of per-sample terms; one that is not is
-            refused at the first step).
+        whole_batch_loss: bool. `True` evaluates the loss and the compiled
+            metrics once, on the whole batch's outputs, for losses that couple
+            the samples of a batch (contrastive, listwise ranking), for about
+            one more forward pass; see docs/whole-batch-loss.md. Defaults to
+            `False` (the loss must be a mean of per-sample terms; one that is
+            not is refused at the first step).
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 

@@ -35,17 +35,10 @@ class MemoryPlanner:
     effective batch arrives at once) and the activations that one
     micro-batch's step holds at its peak, counted from its traced graph.
 
-    `profile()` runs real train steps on a copy of the model and records the
-    allocator's peak at each (batch, micro-batch) size; `estimate()` then
-    interpolates between the measured sizes. `plan(..., profile=True)`
-    measures at the micro-batch size it is about to recommend until its
-    recommendation is a measured size. On a CPU each measurement runs in a
-    fresh Python process that rebuilds the model from `model.to_json()`
-    (a model that cannot be rebuilt there is measured in this process, with
-    a warning); on a GPU, in this process. The figures are one train step's,
-    not the data set's, and vary from process to process: keep `plan()`'s
-    `margin`. The user guide's page "Memory logging and planning"
-    (docs/memory.md) says what is counted, how well, and why.
+    `profile()` measures real train steps and `estimate()` then interpolates
+    between them; `plan()` recommends a micro-batch size for a budget. The
+    figures are one train step's, not the data set's: keep `plan()`'s
+    `margin`. What is counted, how well, and why: docs/memory.md.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model)
@@ -165,18 +158,12 @@ class MemoryPlanner:
     ) -> dict[int, int | None]:
         """Measures real train steps and calibrates the estimate with them.
 
-        For each size, a fresh copy of the model (fresh weights; the model
-        itself is not touched) is compiled as an `AccumulatingModel` with a
-        copy of the optimizer and trained on synthetic data: one step to
-        trace it and build the optimizer, then three steps, each one's
-        allocator peak less what was in use before the copy was made. The
-        measurement is the highest of them plus the margin
-        `micro_batch_size="auto"` keeps: how far the highest rose above the
-        median (a step's peak varies with the order TensorFlow runs its ops
-        in). On a CPU that happens in a fresh process per size (see
-        `isolate` in the class documentation). Measurements add up over calls
-        (a size measured again replaces the old figure); `estimate()`
-        interpolates between them.
+        Each size trains a fresh copy of the model (the model itself is not
+        touched) on synthetic data: the highest allocator peak of three steps
+        after a tracing step, plus the margin `micro_batch_size="auto"` keeps
+        (docs/memory.md). On a CPU each size runs in a fresh process (see
+        `isolate`). Measurements add up over calls (a size measured again
+        replaces the old figure).
 
         Args:
             micro_batch_sizes: two or more distinct ints, the micro-batch
@@ -229,9 +216,7 @@ class MemoryPlanner:
 
     def _measure(self, batch, micro, verbose, stacklevel):
         """Measures one (batch, micro-batch) size and records it; None on OOM.
-
-        `stacklevel`: the user's call, counted from here (for the warning).
-        """
+        `stacklevel` counts the user's call from here, for the warning."""
         if self._calibration is None:
             self._calibration = Calibration(
                 per_batch_sample=self.input_bytes_per_sample,
@@ -250,12 +235,8 @@ class MemoryPlanner:
         return peak
 
     def _peak_of(self, model, batch, micro, device, stacklevel):
-        """(`model`'s step peak at (batch, micro) on `device` or None on OOM, where measured).
-
-        In a fresh process where `isolate` says so and the model can be
-        rebuilt there; else in this one, with a warning (or, for
-        `isolate=True`, an error).
-        """
+        """(step peak at (batch, micro) or None on OOM, where measured): in a fresh process where
+        `isolate` says so and the model can be rebuilt there, else here with a warning."""
         if self._isolated(device) and self._cannot_isolate is None:
             try:
                 peak = _measure.measure_isolated(model, self.optimizer, batch, micro, device)
@@ -294,18 +275,10 @@ class MemoryPlanner:
         recommends `remat="auto"` (recomputing activations); its saving is
         not modelled, so the plan's estimate is then an upper bound.
 
-        With `profile=True` it measures (see `profile()`) at `batch_size`:
-        the size it would recommend and half of it, then, while the
-        measurements move its recommendation, the new recommendation (at most
-        four rounds), and recommends a measured size that fitted where the
-        rounds did not settle. It only measures sizes it estimates to fit the
-        budget; one that runs out of memory all the same counts as not
-        fitting.
-
-        Without measurements the figures come from shapes alone and miss
-        TensorFlow's own working memory: keep a wider margin then
-        (`SHAPES_ONLY_MARGIN`, 0.8, is what `keras-memopt plan --no-profile`
-        keeps).
+        With `profile=True` it first measures near its recommendation until
+        that is a measured size (at most four rounds; docs/memory.md).
+        Without measurements the figures come from shapes alone: keep a wider
+        margin then (`SHAPES_ONLY_MARGIN`, 0.8).
 
         Args:
             batch_size: int, the effective batch size.
@@ -356,13 +329,10 @@ class MemoryPlanner:
     ) -> list[_remat_plan.RematCandidate]:
         """Measures the recomputation settings `remat="auto"` weighs, lowest peak first.
 
-        `remat="auto"` chooses from estimated peaks; where candidates are
-        close, what the estimate cannot see decides. This measures the lowest
-        estimate, no recomputation, a segment at every cut point and the
-        others within 25% of the lowest estimate (at most `count`), each as
-        `profile()` measures (a fresh process per setting on a CPU), at
-        `batch_size` in micro-batches of `micro_batch_size`. Pass the first
-        one's `remat` to `AccumulatingModel`.
+        Measures, as `profile()` does, the lowest estimate, no recomputation,
+        a segment at every cut point and the others within 25% of the lowest
+        estimate (at most `count`). Pass the first one's `remat` to
+        `AccumulatingModel`. See docs/remat.md.
 
         Args:
             batch_size: int, the effective batch.
