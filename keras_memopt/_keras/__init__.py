@@ -1,11 +1,5 @@
-"""The one seam between keras_memopt and the Keras line in use.
-
-TensorFlow picks the Keras line with `TF_USE_LEGACY_KERAS`: unset, `tf.keras`
-is Keras 3; set to `1`, it is tf_keras (Keras 2), the line that
-tensorflow-model-optimization needs. keras_memopt follows the same switch.
-Everything that differs between the two lines lives here, so the rest of the
-package is written once.
-"""
+"""The one seam between keras_memopt and the Keras line in use: Keras 3, or tf_keras where
+`TF_USE_LEGACY_KERAS` is set (as TensorFlow reads it). What differs between them lives here."""
 
 import contextlib
 import os
@@ -51,12 +45,8 @@ RANDOM_STATE_IN_VARIABLES = not LEGACY
 REPLACES_MODEL_LOSSES = not LEGACY
 
 def check_line(name, value):
-    """Raises when `value` holds objects of the other Keras line than the one in use.
-
-    A process uses one line (`TF_USE_LEGACY_KERAS`, read when TensorFlow
-    starts): importing tensorflow-model-optimization first sets it to tf_keras
-    while `import keras` stays Keras 3, and the two lines' objects do not mix.
-    """
+    """Raises when `value` holds objects of the other Keras line than the one in use (importing
+    tensorflow-model-optimization sets tf_keras while `import keras` stays Keras 3)."""
     ours = "tf_keras" if LEGACY else "keras"
     for leaf in tf.nest.flatten(value):
         line = type(leaf).__module__.split(".")[0]
@@ -154,14 +144,8 @@ def with_masks(outputs, masks):
 
 
 def logits_of(tensor):
-    """What Keras's cross-entropies read in place of a softmax or sigmoid output, or None.
-
-    Both lines compute a cross-entropy of such an output from the
-    activation's input, whatever `from_logits` says (`_get_logits`): the
-    `_keras_logits` their activations attach, or in a graph the input of a
-    Softmax or Sigmoid op. A tensor built from outputs (repeated,
-    concatenated) has neither: `carry_logits` gives it what Keras read.
-    """
+    """What Keras's cross-entropies read in place of a softmax or sigmoid output (whatever
+    `from_logits` says): `_keras_logits`, or a Softmax/Sigmoid op's input, or None."""
     logits = getattr(tensor, "_keras_logits", None)
     if logits is not None:
         return logits
@@ -178,13 +162,8 @@ _LOGIT_OPS = {"Softmax": tf.nn.softmax, "Sigmoid": tf.math.sigmoid}
 
 
 def carry_logits(tensor, logits, like):
-    """`tensor`, built from outputs such as `like`, as Keras's losses read `like`.
-
-    `logits` is built from their `logits_of` the same way (repeated,
-    concatenated). Where `like` carries `_keras_logits`, `tensor` carries
-    `logits`; where it is a graph's Softmax or Sigmoid op, the result is that
-    op on `logits` (the same values as `tensor`).
-    """
+    """`tensor`, built from outputs such as `like` (repeated, concatenated), as Keras's losses
+    read `like`; `logits` is built from their `logits_of` the same way."""
     if logits is None:
         return tensor
     if getattr(like, "_keras_logits", None) is not None:
@@ -235,12 +214,8 @@ def scale_loss(optimizer, loss):
 
 
 def build_optimizer(optimizer, variables):
-    """Creates `optimizer`'s variables for `variables` now, outside any traced step.
-
-    Both Keras lines can create them inside the first traced train step:
-    tf_keras always does, and then TensorFlow traces that step a second time
-    (a `tf.function` that created variables is traced again without them).
-    """
+    """Creates `optimizer`'s variables now, outside any traced step (made inside one, they
+    make TensorFlow trace the step a second time)."""
     if optimizer is None or not variables:
         return
     with tf.init_scope():
@@ -252,15 +227,9 @@ def build_optimizer(optimizer, variables):
 
 
 def symbolic_build(model, data_batch):
-    """Keras 3: builds the model, compiled metrics and losses and optimizer from a batch's shapes.
-
-    Keras builds them so before the first step (`_maybe_symbolic_build`) only
-    under a distribution strategy; without one it leaves them to the first
-    traced step, which TensorFlow then traces twice (a function that made
-    variables is traced again). Keras's own also reduces a distributed batch
-    across replicas, which fails across workers: `data_batch` is one
-    replica's part. tf_keras builds nothing here (`build_step_state`).
-    """
+    """Keras 3: builds the model, compiled metrics, losses and optimizer from a batch's shapes,
+    so that the first step is traced once (Keras does so only under a strategy, and reduces
+    the batch across replicas, which fails across workers: `data_batch` is one replica's)."""
     if LEGACY:
         return
     with model.distribute_strategy.scope(), warnings.catch_warnings():
@@ -278,12 +247,8 @@ def symbolic_build(model, data_batch):
 
 
 def build_step_state(model, x, y):
-    """tf_keras: makes, from one small batch, what it would make in the first traced step.
-
-    The optimizer's variables, and the compiled metrics (built from the
-    model's outputs on `x`, run eagerly in inference mode), so that the first
-    step is traced once (Keras 3: `symbolic_build`).
-    """
+    """tf_keras: makes the optimizer's variables and compiled metrics from one small batch
+    (run in inference mode), so that the first step is traced once (Keras 3: `symbolic_build`)."""
     if not LEGACY:
         return
     build_optimizer(model.optimizer, model.trainable_variables)
@@ -305,11 +270,8 @@ def apply_gradients(optimizer, gradients, variables):
 
 
 def functional_nodes(model):
-    """The nodes of a functional model in an order that respects dependencies.
-
-    Returns a list of `(layer, input_tensors, output_tensors)` (flat lists of
-    symbolic tensors), input layers included.
-    """
+    """A functional model's `(layer, input_tensors, output_tensors)`, inputs first, in
+    dependency order (flat lists of symbolic tensors)."""
     nodes = []
     for depth in sorted(model._nodes_by_depth, reverse=True):
         for node in model._nodes_by_depth[depth]:
@@ -322,12 +284,8 @@ def functional_nodes(model):
 
 
 def sublayers(layer, include_self=True):
-    """`layer` (unless `include_self` is False) and every layer inside it, on both lines.
-
-    A functional model's node may be an operation rather than a layer (Keras 3
-    records `keras.ops` calls, such as the `NotEqual` of an Embedding's
-    `mask_zero`): it holds no layers.
-    """
+    """`layer` (unless `include_self` is False) and every layer inside it; none for a Keras 3
+    operation node (a `keras.ops` call)."""
     if not hasattr(layer, "_flatten_layers"):
         return [layer] if include_self else []
     return layer._flatten_layers(include_self=include_self, recursive=True)
@@ -350,11 +308,8 @@ def regularised_sublayer(layer):
 
 
 def global_random_state() -> list:
-    """Keras 3's global seed generator's state (random ops called without a seed).
-
-    Keras offers no public handle on it, so it is read from Keras's global
-    state, where `keras.utils.set_random_seed` resets it; tf_keras has none.
-    """
+    """Keras 3's global seed generator's state (random ops called without a seed), read from
+    Keras's global state (no public handle); tf_keras has none."""
     if LEGACY:
         return []
     state = getattr(getattr(keras, "src", None), "backend", None)
@@ -378,13 +333,8 @@ def nested_inputs_outputs(model):
 
 
 def functional_config(model, config):
-    """`config` completed with the layer graph of a functional `model`.
-
-    tf_keras leaves the graph out of the config of a functional subclass whose
-    constructor differs from `Functional`'s (AccumulatingModel's takes
-    `*args, **kwargs`), so it could not be saved, loaded or cloned; a plain
-    functional view on the same layers supplies it.
-    """
+    """`config` completed with a functional `model`'s layer graph, which tf_keras leaves out
+    for a subclass whose constructor differs from `Functional`'s."""
     if not LEGACY or not isinstance(model, Functional) or "layers" in config:
         return config
     view = Functional(*nested_inputs_outputs(model), name=model.name)
@@ -436,13 +386,8 @@ def variable_device(variable):
 
 
 def move_variable(variable, device):
-    """Re-creates a Keras 3 variable's TensorFlow variable on `device`, value kept.
-
-    The Keras variable stays the same object (layers, models and checkpoints
-    hold it); only the TensorFlow variable it wraps is new. tf_keras layers
-    hold their TensorFlow variables themselves, which cannot be swapped
-    safely (`keras_memopt.placement` refuses first).
-    """
+    """Re-creates a Keras 3 variable's TensorFlow variable on `device`, value kept; the Keras
+    variable stays the same object. tf_keras's cannot be swapped (placement refuses first)."""
     if LEGACY:
         raise NotImplementedError("tf_keras variables cannot be moved to another device")
     old = variable.value
@@ -460,19 +405,9 @@ _ARRAY_ADAPTERS = {"ArrayDataAdapter", "TensorLikeDataAdapter"}
 
 
 def drop_cached_validation(model):
-    """Lets go of the validation arrays `fit` keeps between epochs.
-
-    Keras converts `validation_data` given as arrays into tensors at the
-    first validation and keeps them until `fit` ends, in the device's
-    allocator: every training step after the first epoch then has that much
-    less memory than the steps that found the micro-batch size (measured:
-    4 MiB of validation arrays held 7 MiB, and a size that had trained the
-    first epoch ran out of memory in the second). Dropped, Keras converts
-    them again at the next validation. Only where every validation runs
-    through the arrays from the start (`validation_steps=None`), so that no
-    batch of a validation changes. (tf_keras's data handler lives on in
-    reference cycles until the next epoch's collection, `on_epoch_begin`.)
-    """
+    """Lets go of the validation arrays `fit` keeps as tensors between epochs (measured: 4 MiB
+    of arrays held 7 MiB, and a size that had trained the first epoch ran out of memory in the
+    second); Keras converts them again. Only with `validation_steps=None`, so no batch changes."""
     for name, adapter, steps in _CACHED_VALIDATION:
         cached = getattr(model, name, None)
         if cached is None or getattr(cached, steps, None) is not None:
