@@ -1,24 +1,9 @@
 """Magnitude pruning of an `AccumulatingModel` with tensorflow-model-optimization.
 
-tensorflow-model-optimization (tfmot) works only with tf_keras (Keras 2), so
-pruning needs `TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported, and
-the `tfmot` extra (`pip install "keras_memopt[tfmot]"`). The functions here are
-tfmot's `prune_low_magnitude` and `strip_pruning` with two additions: the
-model that comes back is still an `AccumulatingModel` with the same
-micro-batch setting (tfmot rebuilds a plain functional model), and asking for
-pruning on Keras 3 fails with an error that says how to switch.
-
-Importing tensorflow_model_optimization sets `TF_USE_LEGACY_KERAS=1` in
-`os.environ`: imported before keras_memopt, it puts keras_memopt on tf_keras
-(a model built with `import keras`, Keras 3, is then refused with a
-`TypeError` that says so); imported after, it comes too late for the
-TensorFlow already running, and pruning says that.
-
-Train the pruned model with tfmot's own `UpdatePruningStep` callback. An
-`AccumulatingModel` advances the wrappers' `pruning_step` once per optimizer
-update, as plain Keras does, not once per micro-batch, so a pruning schedule
-(`begin_step`, `end_step`, `frequency`) counts the same steps as it would
-without accumulation.
+tfmot's `prune_low_magnitude` and `strip_pruning`, on tf_keras only (`TF_USE_LEGACY_KERAS=1`
+before TensorFlow is imported, and the `tfmot` extra), an `AccumulatingModel` coming back as one
+with the same setting. `pruning_step` counts optimizer updates, not micro-batches. See
+docs/pruning.md.
 
 Example:
 
@@ -52,12 +37,10 @@ def prune_low_magnitude(model, **kwargs):
 
     Calls `tfmot.sparsity.keras.prune_low_magnitude`; an `AccumulatingModel`
     comes back as an `AccumulatingModel` with the same `micro_batch_size`,
-    `accumulation_steps` and `remat` (tfmot alone returns a plain functional
-    model, which would train without micro-batches). The pruned model wraps
-    `model`'s own layers, so pruning it prunes `model`'s weights too; keep a
-    separate copy to compare against. Compile the result and train it with
-    `tfmot.sparsity.keras.UpdatePruningStep()` among the callbacks; its
-    `pruning_step` counts optimizer updates.
+    `accumulation_steps` and `remat`. The result wraps `model`'s own layers,
+    so `model` is pruned too. Train it with
+    `tfmot.sparsity.keras.UpdatePruningStep()`; `pruning_step` counts
+    optimizer updates.
 
     Args:
         model: a functional or `Sequential` tf_keras model (an
@@ -94,9 +77,8 @@ def strip_pruning(model):
     """Removes the pruning wrappers, keeping the pruned (sparse) weights.
 
     Calls `tfmot.sparsity.keras.strip_pruning`; an `AccumulatingModel` comes
-    back as an `AccumulatingModel` with the same settings. The result is the
-    model to export: its weights hold the zeros the schedule asked for, so the
-    saved file compresses (zip, gzip) to a fraction of the unpruned model's.
+    back as an `AccumulatingModel` with the same settings: the model to
+    export, its weights holding the schedule's zeros.
 
     Args:
         model: a model returned by `prune_low_magnitude`, trained.
@@ -123,9 +105,6 @@ def strip_pruning(model):
 
 
 def step_counters(model):
-    """The pruning wrappers' `pruning_step` variables of `model`.
-
-    An `AccumulatingModel` runs every micro-batch of a step from the same
-    values of these, so they count optimizer updates, as in plain Keras.
-    """
+    """The pruning wrappers' `pruning_step` variables of `model`, which count optimizer
+    updates in an `AccumulatingModel`, as in plain Keras."""
     return _per_update.counters(model)

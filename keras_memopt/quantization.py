@@ -1,21 +1,9 @@
 """Quantization-aware training of an `AccumulatingModel` with tensorflow-model-optimization.
 
-As for pruning (`keras_memopt.pruning`), tfmot works only with tf_keras
-(`TF_USE_LEGACY_KERAS=1` before TensorFlow is imported, and the `tfmot`
-extra). tfmot's own `quantize_model` clones a model into a plain functional
-one, which would train without micro-batches; `quantize_model` here returns
-an `AccumulatingModel` with the same settings. A model quantized with tfmot
-first trains in micro-batches as well: `AccumulatingModel.from_model(
-tfmot.quantization.keras.quantize_model(base), micro_batch_size=...)`.
-
-What a step of micro-batches does with the quantizers' ranges (the
-`<name>_min` and `<name>_max` variables tfmot adds): each micro-batch starts
-from the ranges the step started with and quantizes with its own update of
-them; the step ends with the ranges the whole batch's minimum and maximum
-give, so the ranges advance once per update, as in plain QAT. With a single
-micro-batch per batch, training is plain QAT's; with several, each
-micro-batch's forward pass quantizes with a range updated from its own
-values, not the whole batch's (like BatchNormalization's statistics).
+tf_keras only, as pruning. `quantize_model` returns an `AccumulatingModel` with the same
+settings (tfmot's alone clones a plain functional model). The quantizers' ranges advance once
+per update, as in plain QAT; each micro-batch quantizes with its own update of them. See
+docs/pruning.md.
 
 Example:
 
@@ -46,8 +34,7 @@ def quantize_model(model):
 
     Calls `tfmot.quantization.keras.quantize_model`; an `AccumulatingModel`
     comes back as an `AccumulatingModel` with the same `micro_batch_size`,
-    `accumulation_steps` and `remat` (tfmot alone returns a plain functional
-    model, which would train without micro-batches).
+    `accumulation_steps` and `remat`.
 
     Args:
         model: a functional or `Sequential` tf_keras model (an
@@ -74,9 +61,6 @@ def quantize_model(model):
 
 
 def range_variables(model) -> tuple[list, list]:
-    """The quantizers' range variables of `model`: `(minimums, maximums)`.
-
-    An `AccumulatingModel` ends each step with these at the values the whole
-    batch's minimum and maximum give, as plain QAT does.
-    """
+    """The quantizers' range variables of `model`: `(minimums, maximums)`, which an
+    `AccumulatingModel` ends each step with at the whole batch's values, as plain QAT does."""
     return _per_update.ranges(model)
