@@ -1,19 +1,6 @@
-"""`Remat`: recompute a layer in the backward pass instead of keeping its activations.
-
-A rematerialised ("checkpointed") layer keeps only its inputs from the forward
-pass and runs again when the backward pass reaches it, trading compute for
-activation memory. Two ways in:
-
-- `Remat(layer)`, a wrapper layer for subclassed models (and anywhere a layer
-  goes);
-- `AccumulatingModel(inputs, outputs, remat="auto" | [layer names])` for
-  functional models, which splits the model's graph into segments (see
-  `keras_memopt._remat.segments`).
-
-The recomputation itself (exact: same dropout masks, state updated once) is
-`keras_memopt._remat.recompute`'s on TensorFlow, `keras_memopt._remat.jax_recompute`'s
-(`jax.checkpoint`) on Keras 3's JAX backend.
-"""
+"""`Remat`, and `AccumulatingModel`'s `remat=` setting: recompute in the backward pass instead
+of keeping activations (docs/remat.md). The recomputation itself is `_remat.recompute`'s on
+TensorFlow, `_remat.jax_recompute`'s (`jax.checkpoint`) on JAX."""
 
 from __future__ import annotations
 
@@ -46,39 +33,17 @@ class Remat(keras.layers.Wrapper):
     """Recomputes a layer in the backward pass instead of keeping its activations.
 
     The wrapped layer's forward pass keeps only its inputs; when the backward
-    pass reaches it, the layer runs again under a gradient tape. Activation
-    memory inside the layer is freed after the forward pass, at the cost of one
-    more forward pass of the layer per training step. Wrap the big repeated
-    blocks of a subclassed model (transformer blocks, residual stages); for
-    functional models, `AccumulatingModel(..., remat="auto")` picks segments
-    by itself.
+    pass reaches it, the layer runs again, for one more forward pass of the
+    layer per training step. Wrap the big repeated blocks of a subclassed
+    model; functional models use `AccumulatingModel(..., remat="auto")`.
 
-    The result is exact: the recomputation replays the random numbers of the
-    forward pass (the same dropout masks) and discards state updates (a
-    `BatchNormalization` inside updates its moving statistics once per forward
-    pass, not twice), so gradients equal those of the unwrapped layer. It works
-    in graph-mode `fit()`, with `run_eagerly=True`, under XLA, under
-    `tf.distribute` strategies and with mixed precision; keyword arguments such
-    as `training` or `mask` are passed through, and the Keras mask of the
-    input (an `Embedding(mask_zero=True)`'s) reaches the wrapped layer, whose
-    output masks the wrapper's outputs carry.
-
-    Limits: losses that the wrapped layer adds in `call` (activity
-    regularisers, `add_loss`) would get no gradient through the wrapper, so
-    wrapping such a layer is refused (an `add_loss` when the first training
-    step is traced), as is a `SpectralNormalization`, which divides its kernel
-    in place in every training call (recomputed, it would divide it again).
-    On tf_keras (`TF_USE_LEGACY_KERAS=1`), random layers inside the wrapper
-    draw a fresh seed per call and use stateless random ops, so two calls of
-    one random layer within a single wrapped call share a mask.
-
-    On Keras 3's JAX backend the call runs under `jax.checkpoint`, a pure
-    function of the layer's variables' values and the arguments' arrays
-    (`training` and other Python values bound), which returns the layer's
-    new state: the same masks, the state assigned once. There, the
-    wrapper's outputs carry the Keras masks the wrapped layer's
-    `compute_mask` gives (not masks its `call` sets itself), and an
-    `add_loss` in the wrapped call is refused when the step is traced.
+    Exact: the same dropout masks, state (BatchNormalization's statistics)
+    updated once. Keyword arguments (`training`, `mask`) and the input's Keras
+    mask reach the wrapped layer. A layer that adds losses in `call` (activity
+    regularisers, `add_loss`) or a `SpectralNormalization` is refused. On
+    tf_keras, two calls of one random layer within one wrapped call share a
+    mask; on JAX the outputs carry the masks of the layer's `compute_mask`.
+    See docs/remat.md.
 
     Args:
         layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to
@@ -190,11 +155,8 @@ class RematMixin:
 
     @property
     def remat(self) -> str | list[str] | None:
-        """The recomputed segments: None, "auto" or the cut layers' names.
-
-        Setting it re-plans the segments; the next training step runs with
-        them (the train step is traced again).
-        """
+        """The recomputed segments: None, "auto" or the cut layers' names. Setting it
+        re-plans the segments; the next training step runs (is traced) with them."""
         return self._remat if not isinstance(self._remat, tuple) else list(self._remat)
 
     @remat.setter
@@ -215,22 +177,12 @@ class RematMixin:
 
     @property
     def recomputed_segments(self) -> list[list[str]]:
-        """The names of the layers in each segment recomputed in the backward pass.
-
-        What `remat` (`"auto"` or the names given) chose, in order; empty
-        without recomputation.
-        """
+        """The names of the layers in each segment recomputed in the backward pass, in
+        order; empty without recomputation."""
         return _segments.recomputed_layer_names(self._run.segment_plan)
 
     @property
     def remat_choice(self) -> str:
-        """What `remat="auto"` chose and why: its estimated step peaks; "" otherwise.
-
-        For example, 8 `Dense(1024, activation="gelu")` at a micro-batch of
-        256: `"a segment per block (9 segments, the last not recomputed):
-        estimated step peak 42.3 MiB (activations, gradients and their sum)
-        at a micro-batch of 256, against 63.3 MiB without recomputation and
-        42.3 MiB with a segment at every cut point"`. The peaks are estimates
-        counted from the traced step (see `keras_memopt._remat.choice`).
-        """
+        """What `remat="auto"` chose and why (its estimated step peaks; docs/remat.md has an
+        example); "" otherwise."""
         return self._remat_note
