@@ -1,37 +1,11 @@
 """What a training step holds, counted from its traced gradient graph.
 
-`trace(call, specs, variables)` traces a forward pass and its gradient with
-the batch axis unknown, as `fit` runs them (and a micro-batch step, whose
-size is read at run time), without running anything. A tensor with an
-unknown dimension grows with the batch: its bytes per sample are its known
-dimensions' product times what one sample is of the unknown one (one row,
-or a sequence's rows where a dense layer folded the time axis into the
-batch axis, followed from the reshape that did); a tensor without one is
-fixed;
-`StepGraph` reads the graph's tensors and when each is last used, and
-`StepGraph.peak(batch)` replays the ops in dataflow order (each as soon as
-its inputs are ready, as TensorFlow's executor runs them with one inter-op
-thread), adding each op's outputs and dropping each tensor after its last
-use. What the backward pass keeps follows from the graph itself: a recurrent
-layer's per-step gates and states (the loop's accumulators, sized from its
-body), attention's score matrices, normalisation statistics, dropout masks.
-A gradient loop runs up to its `parallel_iterations` time steps ahead of its
-weight-gradient sum (`keras_memopt._remat.loops.Pile`): where loops run side
-by side (a bidirectional layer's two directions), measured so in
-TensorFlow's executor from the third or fourth step of a run on, all of them
-on idle cores, about half with one inter-op thread or busy cores (the
-estimate counts seven tenths); alone, a few by chance (an eighth counted).
-
-On a CPU, a convolution gradient kernel's patch buffer counts while it runs
-and, with several inter-op threads, a filter gradient's, with its inputs,
-until the next convolution's gradients start (it runs on beside them).
-
-It is an estimate: TensorFlow's executor may run independent ops in another
-order (and, with several inter-op threads, side by side), kernels allocate
-working memory that no tensor shape shows, an op may reuse a dying input's
-buffer for its output, and the BFC allocator hands a request a whole free
-chunk of up to twice its size (a CPU filter gradient's 26 MiB patch buffer
-took 32 MiB).
+`trace` builds a forward pass and its gradient with the batch axis unknown, running nothing;
+a tensor with an unknown dimension grows with the batch (bytes per sample), one without is
+fixed. `StepGraph.peak(batch)` replays the ops in dataflow order (TensorFlow's executor with one
+inter-op thread), each tensor dropped after its last use. What is counted, the gradient loops'
+lag (`_remat.loops.Pile`), the CPU convolution buffers, and what the estimate misses:
+docs/memory.md.
 """
 
 from __future__ import annotations
@@ -79,15 +53,9 @@ def _known(shape):
 
 
 class _Elements:
-    """Elements per sample of each tensor that grows with the batch.
-
-    Most tensors have one row per sample along their unknown axis; a dense
-    layer on a sequence reshapes (batch, time, features) to (batch * time,
-    features), whose unknown axis then holds `time` rows per sample. A view
-    keeps its input's elements; a matrix product's rows follow from its
-    operand's elements over the contracted dimension; other ops carry the
-    rows per sample of their inputs' unknown axes.
-    """
+    """Elements per sample of each tensor that grows with the batch: one row per sample along
+    the unknown axis, or `time` rows where a dense layer folded (batch, time) into it; followed
+    through views, matrix products and the inputs' rows."""
 
     def __init__(self):
         self.per_sample = {}
@@ -176,11 +144,8 @@ class StepGraph:
     Args:
         graph: the traced `FuncGraph`.
         kept: tensors alive to the end of the step (the gradients it returns).
-        cpu: bool, whether to count the working memory of TensorFlow's CPU
-            convolution gradient kernels (a fixed patch buffer of up to 30 MiB
-            each, while it or its sibling gradient runs; with several inter-op
-            threads, a filter gradient's, and its inputs, until the next
-            convolution's gradients start). Defaults to True.
+        cpu: bool, whether to count TensorFlow's CPU convolution gradient kernels' patch
+            buffers. Defaults to True.
 
     Attributes:
         ops: the graph's ops in the order they were made.
@@ -241,11 +206,8 @@ class StepGraph:
         self.floored = self._add_piles()
 
     def _overlap_filter_gradients(self, scratch_users):
-        """With several inter-op threads, a filter gradient runs on beside the
-        next convolution's gradients (no op of the backward pass waits for
-        it): its patch buffer and its inputs (an activation and its
-        gradient) stay alive until the next pair of convolution gradients
-        starts, as the allocator shows it (docs/benchmarks.md)."""
+        """With several inter-op threads, a filter gradient (nothing waits for it) keeps its
+        patch buffer and inputs alive until the next convolution gradients start."""
         starts = sorted(min(op for _, op in pair) for pair in scratch_users.values())
         for pair in scratch_users.values():
             last = max(op for _, op in pair)
@@ -290,12 +252,8 @@ class StepGraph:
             self.buffer_of[ref] = find(buffer)
 
     def _add_piles(self):
-        """Adds the `Pile`s of gradient loops, alive while the loop runs or,
-        for loops that run side by side (a bidirectional layer's two
-        directions), while either runs, each less the share of its
-        accumulator lists it pops meanwhile (a loop called in a function
-        frees none: the caller holds them); returns their buffers, counted
-        as at least nothing."""
+        """Adds the gradient loops' `Pile`s, alive while the loop (or one beside it) runs, less
+        the share of accumulator lists popped meanwhile; returns their buffers (floored at 0)."""
         piles = {i: _loops.pile(op) for i, op in enumerate(self.ops)
                  if op.type in _loops.LOOPS | _loops.CALLS}
         piles = {i: found for i, found in piles.items() if found is not None}
@@ -342,12 +300,8 @@ class StepGraph:
         return None
 
     def _size(self, op, tensor):
-        """(per sample, fixed) bytes of a new buffer; (0, 0) where unknown.
-
-        What TensorFlow cannot infer a shape for is, in the models measured,
-        a reduction of a broadcast gradient (whose kernel passes its input on
-        where nothing was broadcast) or a kernel's reserved space.
-        """
+        """(per sample, fixed) bytes of a new buffer; (0, 0) where unknown (in the models
+        measured: a broadcast gradient's reduction, a kernel's reserved space)."""
         if tensor.dtype == tf.variant:
             size = list_bytes(tensor)
             if size is not None:
@@ -403,13 +357,8 @@ class StepGraph:
 
 
 class Profile:
-    """Bytes alive over a schedule of `length` steps, from buffers' lifetimes.
-
-    A buffer is alive from its `first` step to its `last` step, both
-    included; `peak(batch)` is the largest sum over a step, each buffer
-    counted as `per_sample * batch + fixed` bytes, a `floored` one (a mask)
-    as at least nothing.
-    """
+    """Bytes alive over `length` steps, each buffer from `first` to `last` (included) counting
+    `per_sample * batch + fixed` bytes, a `floored` one (a mask) at least nothing."""
 
     def __init__(self, first, last, sizes, length, floored=None):
         first, last = np.asarray(first, dtype=np.int64), np.asarray(last, dtype=np.int64)
@@ -432,13 +381,9 @@ class Profile:
 
 
 def trace(call, specs, variables):
-    """The `FuncGraph` of `call(*inputs)` and its gradient, and the gradients.
-
-    `call` maps input tensors (shaped like `specs`, the batch axis unknown)
-    to a scalar loss; the gradient is taken with respect to `variables`.
-    Nothing runs: the graph is only built. Under a distribution strategy it
-    is one replica's step (the first's), as each replica runs it.
-    """
+    """The `FuncGraph` of `call(*inputs)` (a scalar loss of inputs shaped like `specs`) and
+    its gradient to `variables`, and the gradients; built, not run; one replica's under a
+    strategy."""
     kept = []
 
     def step(*inputs):
