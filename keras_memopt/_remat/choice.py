@@ -1,47 +1,13 @@
 """`remat="auto"`: which segments to recompute, chosen from the traced step.
 
-The candidate cut points are the tensors that separate a functional model's
-graph (`keras_memopt._remat.graph`); between consecutive ones lie *units* (a
-layer of a chain, a residual block, a custom block layer; the head after the
-last one). The model is traced once, unit by unit, forward pass and
-gradient (`keras_memopt._remat.liveness`), and every op is labelled with its unit:
-a forward op by the unit that made it; a gradient op by the forward op in
-whose name scope TensorFlow's gradient tape made it, or else by the earliest
-unit whose tensors it reads (directly or through the gradient ops before it).
-
-A candidate (a set of cuts) is then played on that graph as it would run:
-the forward pass, in which a recomputed segment's tensors are dropped after
-their last forward use (only the segment's input is kept); then the
-gradient, in which each recomputed segment runs its forward ops again just
-before its first gradient op. The bytes alive at each point of that
-schedule give the candidate's peak, with everything the graph shows: what
-each unit's backward pass keeps, the gradient's working tensors, the
-stored segment inputs. It is the peak of a micro-batch after the first
-(`keras_memopt._step.loop`): the sum of the micro-batches' gradients before
-it is alive all along, and each of its own gradients only until it is
-added to that sum, right after it is made. (Counted as a plain step holds
-them, every gradient kept to the end of the step and no sum, a stack of
-8 Dense(1024, gelu) at a micro-batch of 256 was estimated at 34.3 MiB
-without recomputation and 32.3 with a segment per layer, measured 65.1 and
-44.1: the gradients made late in the backward pass hid the activations
-that recomputation frees early in it; issue 55.)
-
-The candidates are those a user would try: no recomputation, a segment at
-every cut point, a segment every k cut points for each k (the classic √n
-segments among them), counted from the first cut point or from the last,
-and a segment per block where the units repeat (`blocks`: a CNN's
-convolution, normalisation and activation, a transformer's attention and
-feed-forward, each block as one `Remat` would wrap it). The last segment is
-never recomputed (its backward pass follows its forward pass at once). The
-chosen candidate is the segment per block where its estimated peak is
-within 20% of the lowest (what the estimate cannot see, the executor's
-overlap of independent ops and the allocator's rounding, moved candidates
-by more: a CNN's 2 segments, estimated 15% below a segment per block,
-peaked 28% above it on tf_keras with one inter-op thread); otherwise, of
-the candidates within 2% of the lowest, the one that recomputes the fewest
-bytes, then the one with the most segments (the smallest working set at
-any time); and no recomputation unless it saves 5% or more of the step's
-peak with the parameters (recomputation costs time).
+The cut points are the tensors that separate the graph (`_remat.graph`); between them lie
+*units*. The model is traced once, unit by unit (`_remat.liveness`), every op labelled with its
+unit (a gradient op by the forward op whose name scope the tape made it in, else by the earliest
+unit it reads from). Each candidate is played on that graph as it would run, a recomputed
+segment's forward ops again just before its first gradient op, with the micro-batch loop's
+gradient sum alive all along (counted without it, the gradients made late hid what recomputation
+frees early; issue 55). The candidates, the rule that picks one (the constants below) and the
+measurements behind it: docs/remat.md.
 """
 
 from __future__ import annotations
@@ -73,9 +39,7 @@ class Choice:
     Attributes:
         cuts: the unit indices after which the chosen segments end.
         batch: the micro-batch size the peaks are estimated at.
-        peaks: estimated step peak (bytes; activations, gradients and their
-            sum over the micro-batches): "none", "every cut point" and
-            "chosen".
+        peaks: estimated step peaks in bytes: "none", "every cut point", "chosen".
         note: why, in words (for `model.summary()`).
     """
 
@@ -265,13 +229,8 @@ class TracedUnits:
 
 
 def _differentiated(name, forward):
-    """The unit of the forward op that gradient op `name` differentiates, or None.
-
-    TensorFlow's gradient tape makes a gradient op in the name scope of the
-    forward op it differentiates: `gradient_tape/<forward scope>/<op>`.
-    `forward` maps forward ops' names and name scopes to their unit; a unit's
-    scopes are its own (each unit is a model of its own name).
-    """
+    """The unit of the forward op that gradient op `name` differentiates (the tape names it
+    `gradient_tape/<forward scope>/<op>`; `forward` maps forward names and scopes to units)."""
     prefix = "gradient_tape/"
     if not name.startswith(prefix):
         return None
