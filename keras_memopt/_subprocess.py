@@ -1,35 +1,12 @@
 """Runs Python in a fresh process, a fresh TensorFlow, and gets a result back.
 
-TensorFlow reads its allocator settings once, when it starts, and what a
-process allocated before changes what it allocates next; so whatever must be
-measured from a clean start, or run under a memory limit, runs in a child
-process of its own. This module is the one way keras_memopt (and its tests)
-start one:
-
-- `call("package.module:function", payload, env=...)`: the child imports
-  `function`, calls it with the JSON `payload` and sends its JSON-able return
-  value back as one tagged line on stdout; `call` returns that value, or
-  raises `ChildFailed` with the tail of the child's output.
-- `run([...python arguments...], env=...)`: any Python command line; its
-  whole output comes back (`Output`) for callers that read it themselves.
-- `start(...)` returns at once with a `Child`, so that several children (the
-  workers of one cluster) run side by side; `wait_all` collects them.
-
-A child's output goes to temporary files, not pipes, so children that wait
-for each other cannot block on a full pipe. Every child is killed when its
-time runs out and when the caller is interrupted (`KeyboardInterrupt`): none
-outlives the call that started it.
-
-Example:
-
-```python
-result = call(
-    "keras_memopt.planning.measure:measure_in_child",
-    spec,
-    env=tensorflow_env(cpu_memory_limit_mb=600),
-    timeout=600,
-)
-```
+TensorFlow reads its allocator settings once, at start, and what a process allocated before
+changes what it allocates next: what must be measured from a clean start, or under a memory
+limit, runs in a child of its own, started here. `call` runs a `"module:function"` on a JSON
+payload and returns its JSON result (one tagged stdout line); `run` returns a command's whole
+`Output`; `start`/`wait_all` run children side by side. Output goes to temporary files, not pipes
+(children that wait for each other cannot block), and no child outlives the call that started
+it, on timeout or interrupt.
 """
 
 from __future__ import annotations
@@ -49,19 +26,10 @@ _TAIL = 3000
 
 
 def tensorflow_env(cpu_memory_limit_mb: int | None = None, quiet: bool = True) -> dict[str, str]:
-    """Environment variables that give a child's TensorFlow a GPU-like CPU allocator.
-
-    TensorFlow's BFC allocator on the CPU reports current and peak bytes
-    (`tf.config.experimental.get_memory_info("CPU:0")`) and honours a memory
-    limit; oneDNN is turned off because it allocates around that allocator
-    (and crashed under a limit).
-
-    Args:
-        cpu_memory_limit_mb: int, the CPU allocator's limit in MiB. Defaults
-            to None (the inherited limit, or TensorFlow's default).
-        quiet: bool, whether to silence TensorFlow's C++ log lines. Defaults
-            to True.
-    """
+    """Environment variables that give a child's TensorFlow a GPU-like CPU allocator: the
+    BFC allocator reports current and peak bytes and honours `cpu_memory_limit_mb` (MiB);
+    oneDNN, which allocates around it (and crashed under a limit), is off. `quiet` silences
+    TensorFlow's C++ log."""
     env = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
     if cpu_memory_limit_mb is not None:
         env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(cpu_memory_limit_mb))
@@ -90,11 +58,7 @@ class Output:
 
 
 class ChildFailed(RuntimeError):
-    """A child process failed, ran out of time, or sent no result.
-
-    Attributes:
-        output: the child's `Output` (None where it never started).
-    """
+    """A child process failed, ran out of time, or sent no result; `output`: its `Output`."""
 
     def __init__(self, message: str, output: Output | None = None):
         if output is not None:
@@ -136,12 +100,8 @@ class Child:
         )
 
     def wait(self, timeout: float | None = None) -> Output:
-        """Waits for the child to exit and returns its `Output`.
-
-        Raises:
-            ChildFailed: if it runs past `timeout` seconds (it is killed).
-            KeyboardInterrupt: re-raised after killing the child.
-        """
+        """Waits for the child's `Output`; kills it past `timeout` seconds (`ChildFailed`) or
+        on an interrupt (re-raised)."""
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -175,16 +135,8 @@ class Child:
 
 
 def start(args, env=None, stdin: str | None = None, name: str | None = None) -> Child:
-    """Starts `python *args` and returns at once.
-
-    Args:
-        args: list of str, the arguments after the Python executable (for
-            example `["-c", code]` or `["-m", "module"]`).
-        env: dict, variables set (a value of None removes one) on top of this
-            process's environment. Defaults to None (inherited as is).
-        stdin: str, the child's standard input. Defaults to None (empty).
-        name: str, what error messages call the child.
-    """
+    """Starts `python *args` and returns at once; `env` is set on top of this process's
+    environment (None removes a variable); `name` is what error messages call the child."""
     return Child(list(args), env=env, stdin=stdin, name=name)
 
 
@@ -209,11 +161,7 @@ def run(args, env=None, stdin: str | None = None, timeout: float | None = None,
 
 
 def result_of(output: Output, name: str = "The child process"):
-    """The value a child sent with `send_result`.
-
-    Raises:
-        ChildFailed: if it exited with a non-zero status or sent no result.
-    """
+    """The value a child sent with `send_result`; `ChildFailed` if it failed or sent none."""
     lines = [line for line in output.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if output.returncode != 0:
         raise ChildFailed(f"{name} exited with status {output.returncode}.", output)
@@ -224,20 +172,8 @@ def result_of(output: Output, name: str = "The child process"):
 
 def call(function: str, payload=None, env=None, timeout: float | None = None,
          name: str | None = None):
-    """Calls `function(payload)` in a fresh Python process and returns its result.
-
-    Args:
-        function: str, `"package.module:function"`; it takes the JSON-decoded
-            payload and returns a JSON-able value.
-        payload: a JSON-able value. Defaults to None.
-        env: dict, variables set on top of this process's environment (see
-            `tensorflow_env`). Defaults to None.
-        timeout: float, seconds before the child is killed. Defaults to None.
-        name: str, what error messages call the child.
-
-    Raises:
-        ChildFailed: if the child fails, runs out of time or sends no result.
-    """
+    """Calls `"package.module:function"` on the JSON `payload` in a fresh Python process and
+    returns its JSON result; `ChildFailed` if the child fails, times out or sends none."""
     name = name or f"The child process running {function}"
     output = run(
         ["-c", _CHILD_MAIN, function], env=env, stdin=json.dumps(payload),
