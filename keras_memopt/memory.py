@@ -1,21 +1,7 @@
-"""Reading memory: TensorFlow's allocator per device, the host process, NVML.
-
-The one home in keras_memopt for each of these needs:
-
-- `parse_bytes` / `format_bytes`: sizes such as `"8GiB"` to bytes and back;
-- `bytes_if_known` / `bytes_per_sample`: the bytes of tensors from their
-  shapes and dtypes;
-- `allocator_memory`: TensorFlow's allocator figures for one device, and
-  `device_total`, what it may hand out;
-- `nvml` / `nvml_handle_of_tf_gpu`: NVML (nvidia-ml-py), initialised once
-  per process, and the NVML device behind one of TensorFlow's GPUs;
-- `MemoryReader`: all of the above, and the host's RSS, as one flat dict.
-
-Byte sizes live in `keras_memopt._memory.sizes` and the allocator's figures in
-`keras_memopt._memory.allocator`; this module is their public home. Importing it
-does not import TensorFlow (the functions that read it do), so that the
-command line can check sizes before TensorFlow loads.
-"""
+"""Reading memory: byte sizes, TensorFlow's allocator per device, NVML, and `MemoryReader`,
+all of them and the host's RSS as one dict. The public home of `_memory.sizes` and
+`_memory.allocator`. Importing it does not import TensorFlow (the command line checks sizes
+before TensorFlow loads)."""
 
 from __future__ import annotations
 
@@ -59,11 +45,8 @@ __all__ = [
 
 
 def device_total(device: str) -> int | None:
-    """The bytes TensorFlow's allocator may hand out on `device`, where known.
-
-    A logical GPU's configured memory limit, else its total (NVML); the CPU
-    BFC allocator's limit (`TF_CPU_BFC_MEM_LIMIT_IN_MB`). None otherwise.
-    """
+    """The bytes TensorFlow's allocator may hand out on `device` (a logical GPU's limit, else
+    its NVML total; the CPU BFC allocator's limit), or None."""
     import tensorflow as tf
 
     kind, index = canonical_device(device).split(":")
@@ -102,12 +85,8 @@ _nvml_module = None
 
 
 def nvml():
-    """The `pynvml` module of nvidia-ml-py, NVML initialised (once per process).
-
-    Raises:
-        NvmlUnavailable: if nvidia-ml-py is not installed or NVML does not
-            start (no NVIDIA driver).
-    """
+    """The `pynvml` module, NVML initialised once per process; `NvmlUnavailable` without
+    nvidia-ml-py or a driver."""
     global _nvml_module
     if _nvml_module is None:
         try:
@@ -125,19 +104,9 @@ def nvml():
 
 
 def nvml_handle_of_tf_gpu(index: int, device_name: str | None = None):
-    """The NVML handle of TensorFlow's physical GPU number `index`.
-
-    TensorFlow numbers the GPUs CUDA shows it: `CUDA_VISIBLE_DEVICES`
-    (indices or `GPU-` UUIDs) picks and orders them, while NVML numbers every
-    GPU of the machine. With `CUDA_VISIBLE_DEVICES` unset, TensorFlow's GPU
-    `index` is taken to be NVML's; that holds when CUDA orders GPUs by PCI bus
-    (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, or GPUs of one model), so where
-    `device_name` (TensorFlow's name for the GPU) is given, NVML's device must
-    bear the same name.
-
-    Raises:
-        NvmlUnavailable: if NVML is unavailable or the GPU cannot be told.
-    """
+    """The NVML handle of TensorFlow's physical GPU `index`, through `CUDA_VISIBLE_DEVICES`
+    (indices or UUIDs; unset, the same index, which holds when CUDA orders GPUs by PCI bus, so
+    NVML's name must match `device_name` where given). `NvmlUnavailable` where it cannot tell."""
     pynvml = nvml()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -179,22 +148,12 @@ def _text(value):
 class MemoryReader:
     """Reads current and peak memory figures, in MiB, as one flat dict.
 
-    Three sources:
-
-    - TensorFlow's allocator, per device: bytes in use now and the peak since
-      the last reset (`tf.config.experimental.get_memory_info`). GPUs always
-      have these figures. A CPU has them under TensorFlow's default
-      allocator with oneDNN on (allocations of 256 KiB or more only) and
-      under its BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true` before
-      TensorFlow starts; every allocation).
-    - The host process's resident set size (psutil).
-    - NVML, where `nvidia-ml-py` is installed and finds GPUs: memory used and
-      total per physical GPU (numbered as NVML numbers them), which counts
-      every process and the CUDA context, not only TensorFlow's allocator.
-
-    A figure that is not available is left out of `read()`; why is recorded
-    once in `unavailable`. NVML's absence is recorded only where TensorFlow
-    sees a GPU: on a machine without one there is nothing for it to report.
+    Sources: TensorFlow's allocator per device (in use and peak since the
+    last reset; on a CPU see docs/memory.md), the host process's RSS, and
+    NVML per physical GPU (every process, not only TensorFlow's allocator).
+    A figure that is not available is left out of `read()`, and why is
+    recorded once in `unavailable` (NVML's absence only where TensorFlow sees
+    a GPU).
 
     Args:
         devices: list of str, the logical devices to read (`"GPU:0"`,
