@@ -1,25 +1,11 @@
 """Segments of a functional model on several devices (model parallelism).
 
 `AccumulatingModel(inputs, outputs, devices=[...], device_cuts=...)` cuts a
-functional model into consecutive segments, one per device, at the same kind
-of point that `remat` cuts at (a layer whose single output every path from the
-inputs to the outputs passes through), and puts each segment's variables and
-computation on its device:
-
-- variables: a layer's variables are created when the functional graph is
-  built, before the model sees them, so they are re-created on their
-  segment's device with their values (Keras 3; see `place`). The optimizer is
-  built when the model is compiled, so that each slot is created next to its
-  variable;
-- computation: each segment's forward pass runs under `tf.device`, and so
-  does its backward pass (`keras_memopt.remat.on_device`), in `fit`,
-  `evaluate` and `predict`, micro-batch by micro-batch. A segment that is
-  also recomputed (`remat`) is recomputed on its device.
-
-The segments run one after another: while one device works, the others wait
-(there is no pipelined schedule). What the split buys is memory: each device
-holds only its segment's variables, gradients, optimizer slots and
-activations.
+functional model into consecutive segments, one per device, at the points
+`remat` cuts at, and puts each segment's variables (re-created there with
+their values, Keras 3), optimizer slots and computation, forward and
+backward, on its device. The segments run one after another (no pipelined
+schedule); what the split buys is memory. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -91,12 +77,8 @@ def _device_key(name):
 
 
 def validate(devices, device_cuts, model, functional):
-    """Checks the setting where it arrives, before the model changes.
-
-    Returns:
-        `(devices, device_cuts)` normalised (a tuple, `"auto"` or a list), or
-        None when `devices` is None.
-    """
+    """Checks the setting before the model changes; returns `(devices, device_cuts)`
+    normalised (a tuple, `"auto"` or a list), or None when `devices` is None."""
     received = f"Received: devices={devices!r}, device_cuts={device_cuts!r}"
     if devices is None:
         if device_cuts is not None:
@@ -150,11 +132,8 @@ def validate(devices, device_cuts, model, functional):
 def place(model, devices, device_cuts):
     """Cuts `model` for `devices` and moves each variable to its segment's device.
 
-    A variable already on its device stays as it is. A layer called in
-    several segments keeps its variables on the first one's device.
-
-    Returns:
-        The `Placement`.
+    A layer called in several segments keeps its variables on the first
+    one's device. Returns the `Placement`.
 
     Raises:
         ValueError: for a cut that cannot be made (before anything moves), and
@@ -196,13 +175,8 @@ def _owned_variables(graph):
 
 
 def _balanced_cuts(graph, model, count):
-    """Cut points making `count` segments whose largest memory is smallest.
-
-    A node's memory counts its layer's variables (the first time the layer is
-    called) and its outputs for one sample, from static shapes. The blocks
-    between consecutive separating tensors are grouped, in order, into
-    `count` segments.
-    """
+    """Cut points making `count` segments whose largest memory (variables, plus outputs for
+    one sample from static shapes) is smallest."""
     separators = graph.separators()
     if len(separators) < count - 1:
         names = [graph.nodes[i][0].name for i in separators]
@@ -224,11 +198,8 @@ def _balanced_cuts(graph, model, count):
 
 
 def _partition(blocks, count):
-    """Where to cut `blocks` into `count` consecutive groups with the smallest largest sum.
-
-    Returns the indices of the blocks that end a group (the last group's end
-    left out). Dynamic programming over (groups, blocks covered).
-    """
+    """The indices of the blocks that end each of `count` consecutive groups (but the last)
+    with the smallest largest sum: dynamic programming over (groups, blocks covered)."""
     prefix = [0]
     for size in blocks:
         prefix.append(prefix[-1] + size)
@@ -244,11 +215,8 @@ def _partition(blocks, count):
 
 
 def jit_compile(placement, jit_compile):
-    """`compile`'s `jit_compile` for a model placed by `placement` (or None).
-
-    XLA compiles a micro-batch's step for one device, and placed segments
-    span several: `"auto"` means no XLA, `True` is refused.
-    """
+    """`compile`'s `jit_compile` for a model placed by `placement` (or None): XLA compiles
+    for one device, so `"auto"` means no XLA and `True` is refused."""
     if placement is None:
         return jit_compile
     if jit_compile is True:
@@ -262,12 +230,8 @@ def jit_compile(placement, jit_compile):
 
 
 def build_plan(model, remat, placement):
-    """(`SegmentPlan` for `remat` and `placement` together or None for
-    neither, what `remat="auto"` chose and why).
-
-    The segments are cut at both settings' cut points; a segment is
-    recomputed when `remat` recomputes it and runs on its placement's device.
-    """
+    """(`SegmentPlan` cut at both settings' points, or None for neither; what `remat="auto"`
+    chose and why)."""
     if placement is None:
         return _segments.build_plan(model, remat)
     if remat is None:
