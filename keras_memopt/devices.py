@@ -1,8 +1,4 @@
-"""`configure_devices`: GPU memory settings, in one call before any model.
-
-The GPU paths are tested with stand-ins for TensorFlow's device list and for
-NVML (tests/test_devices.py), not on GPU hardware.
-"""
+"""`configure_devices`: GPU memory settings, in one call before any model (docs/devices.md)."""
 
 from __future__ import annotations
 
@@ -31,35 +27,21 @@ def configure_devices(
 
     Call it once, at the start of the program, before building a model:
     TensorFlow fixes its devices when it first uses them. Every argument left
-    as None leaves that setting as TensorFlow's default.
-
-    - `memory_growth=True` makes TensorFlow take GPU memory as it needs it
-      instead of (nearly) all of it at start, so that several processes can
-      share a GPU.
-    - `memory_limit` caps what TensorFlow may use on each GPU: one size for
-      all, or a list with one size per chosen GPU (for machines whose GPUs
-      differ). It creates one logical device per GPU with that limit.
-    - `logical_devices=n` splits each chosen GPU into n logical devices
-      (`"GPU:0"`, `"GPU:1"`, ...) so that two models can train side by side;
-      with `memory_limit` each part gets the limit, otherwise the GPU's
-      memory (read with NVML, `pip install "keras_memopt[nvml]"`) is shared
-      evenly among them, as TensorFlow requires a limit.
-    - `allocator="cuda_malloc_async"` sets `TF_GPU_ALLOCATOR` to CUDA's
-      stream-ordered allocator, which fights fragmentation; `"bfc"` restores
-      TensorFlow's default.
-
-    On a machine without GPUs it warns and changes nothing but the
-    allocator setting, so the same script runs everywhere.
+    as None leaves TensorFlow's default. On a machine without GPUs it warns
+    and changes nothing but the allocator setting. See docs/devices.md.
 
     Args:
-        memory_growth: bool, whether to enable memory growth on the chosen
-            GPUs. Defaults to None (TensorFlow's default, off).
+        memory_growth: bool, whether TensorFlow takes GPU memory as it needs
+            it (so that processes can share a GPU). Defaults to None (off).
         memory_limit: a size (bytes, or a string such as `"4GiB"`), or a
-            list of sizes, one per chosen GPU. Defaults to None (no limit).
-        logical_devices: int, logical devices per chosen GPU. Defaults to
-            None (one).
-        allocator: str, `"cuda_malloc_async"` or `"bfc"`. Defaults to None
-            (leave `TF_GPU_ALLOCATOR` as it is).
+            list of sizes, one per chosen GPU: what TensorFlow may use on
+            each. Defaults to None (no limit).
+        logical_devices: int, logical devices per chosen GPU, each getting
+            `memory_limit`, or an even share of the GPU's memory read with
+            NVML. Defaults to None (one).
+        allocator: str, `"cuda_malloc_async"` (CUDA's stream-ordered
+            allocator, against fragmentation) or `"bfc"` (TensorFlow's
+            default). Defaults to None (leave `TF_GPU_ALLOCATOR` as it is).
         gpus: list of int, the indices of the physical GPUs to configure, as
             TensorFlow numbers them (after `CUDA_VISIBLE_DEVICES`). Defaults
             to all.
