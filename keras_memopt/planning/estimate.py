@@ -1,12 +1,5 @@
-"""The shapes-only estimate: what a train step holds, counted without running it.
-
-The weights' parts (parameters, optimizer slots, gradients) are counted from
-the variables; the activations from the model's traced forward pass and
-gradient (`StepActivations`, see `keras_memopt._remat.liveness`): what each layer
-keeps for its backward pass (a recurrent layer's gates and states per time
-step, attention's score matrices, normalisation statistics, dropout masks)
-and the gradient's working tensors, alive at once at the step's peak.
-"""
+"""The shapes-only estimate: the weights' parts counted from the variables, the activations
+from the traced step (`_remat.liveness`). See docs/memory.md."""
 
 from __future__ import annotations
 
@@ -76,22 +69,9 @@ def known_inputs(model):
 
 
 class StepActivations:
-    """The activations one micro-batch's train step holds at its peak, by size.
-
-    Counted from the model's forward pass and gradient, traced (not run)
-    with the batch axis unknown: the most bytes alive at once when the ops
-    run one after another as soon as their inputs are ready, less the
-    weights' gradients (counted on their own). The inputs are counted with
-    the batch. `cpu` adds the working memory of TensorFlow's CPU convolution
-    gradient kernels.
-
-    Args:
-        model: a built `keras.Model` with known inputs.
-        cpu: bool, whether the step runs on a CPU.
-
-    Raises:
-        ValueError: if the step cannot be traced (as `fit` traces it).
-    """
+    """The activations one micro-batch's train step holds at its peak, from the traced step,
+    less the weights' gradients and the inputs (counted on their own); `cpu` counts the CPU
+    convolution kernels' buffers. `ValueError` if the step cannot be traced as `fit` would."""
 
     def __init__(self, model, cpu):
         self.model = model
@@ -116,10 +96,8 @@ class StepActivations:
 
 
 def _trace_model(model, cpu):
-    """The `StepGraph` of `model`'s forward pass, a sum of its outputs, and the gradient.
-
-    Its inputs count nothing: the planner counts the batch on its own.
-    """
+    """The `StepGraph` of `model`'s forward pass, a sum of its outputs, and the gradient;
+    its inputs count nothing (the planner counts the batch on its own)."""
     inputs, _ = known_inputs(model)
     if isinstance(model, _keras.Functional):
         inputs, _ = _keras.nested_inputs_outputs(model)
@@ -138,12 +116,8 @@ def _trace_model(model, cpu):
 
 
 def input_bytes_per_sample(model) -> int:
-    """Bytes of one sample of the inputs plus its (sparse) target.
-
-    Raises:
-        ValueError: if the model has no known inputs (a subclassed model), or
-            an input shape is unknown apart from the batch axis.
-    """
+    """Bytes of one sample of the inputs plus its (sparse) target; `ValueError` without known
+    inputs (a subclassed model) or fixed input shapes."""
     inputs, outputs = known_inputs(model)
     if not inputs:
         raise ValueError(
@@ -204,17 +178,12 @@ class WeightBytes:
 class MemoryEstimate:
     """The parts of one train step's peak memory, in bytes.
 
-    `calibrated` says which kind of figure `peak` is: False, counted without
-    running the step (from the traced step; the allocator's rounding is not
-    in it); True, read from measured train steps (`overhead` is then what the
-    measurement adds to the counted parts).
-
-    The activations' peak (in the backward pass, beside the micro-batch's
-    gradients) and the optimizer update's (its temporaries while it updates
-    a variable, estimated as twice the largest trainable variable: measured
-    1 to 3 times with Adam and RMSprop on a CPU; beside the gradient sum, or
-    with one micro-batch the gradients) come at different times: the step's
-    peak has the larger.
+    `calibrated`: False, counted from the traced step without running it;
+    True, read from measured train steps (`overhead` is what the measurement
+    adds to the counted parts). The activations' peak and the optimizer
+    update's (twice the largest trainable variable: measured 1 to 3 times
+    with Adam and RMSprop on a CPU) come at different times: `peak` has the
+    larger.
     """
 
     batch_size: int
@@ -232,11 +201,7 @@ class MemoryEstimate:
     @classmethod
     def of_step(cls, weights: WeightBytes, batch_size, micro_batch_size, input_batch,
                 activations) -> MemoryEstimate:
-        """The shapes-only estimate: `weights`' parts, and the batch's and activations' bytes.
-
-        With one micro-batch per batch there is no sum beside the gradients:
-        the first micro-batch's gradients start the sums.
-        """
+        """The shapes-only estimate (with one micro-batch per batch, no gradient sum)."""
         return cls(
             batch_size=batch_size,
             micro_batch_size=micro_batch_size,
