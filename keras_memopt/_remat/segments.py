@@ -1,12 +1,5 @@
-"""Segments of a functional model: where to cut it, and running it segment by segment.
-
-`plan_segments(model, remat)` finds the cut points (`"auto"`: the set of
-cuts along the graph's separating tensors whose estimated step peak is
-lowest, see `keras_memopt._remat.choice`; or the named layers), and
-`SegmentPlan` runs the model as a chain of segments, each recomputed in the
-backward pass (`keras_memopt._remat.recompute`) and/or placed on a device
-(`keras_memopt.placement`). `AccumulatingModel(remat=...)` uses them.
-"""
+"""Segments of a functional model: where to cut it (`plan_segments`), and running it as a
+chain of segments (`SegmentPlan`), each recomputed and/or placed on a device."""
 
 from __future__ import annotations
 
@@ -37,19 +30,14 @@ class Cuts(NamedTuple):
 
 
 def plan_segments(model, remat, batch=None) -> Cuts:
-    """Where `model`'s recomputed segments end (`Cuts`).
+    """Where `model`'s recomputed segments end (`Cuts`), for `remat` "auto" or layer names.
 
-    With `remat="auto"`: the candidate cut points are the tensors that
-    separate the graph (every path from the inputs to the outputs passes
-    through them: the output of a block in a chain, a residual block's output
-    after its addition). The step is traced and each candidate set of cuts
-    (none, one segment per block, every k blocks) played on it
-    (`keras_memopt._remat.choice`); the lowest estimated peak at `batch`
-    samples wins (defaults to the model's `micro_batch_size` where it is a
-    number, else 4096); where the step cannot be traced, nothing is
-    recomputed (the warning says why). The last segment (the head, whose
-    backward pass starts right after its forward pass) is never recomputed.
-    Only the model's own graph is searched: a nested model is one node.
+    `"auto"` cuts at tensors that separate the graph and picks the candidate
+    with the lowest estimated step peak at `batch` samples (defaults to the
+    model's `micro_batch_size` where it is a number, else 4096); where the
+    step cannot be traced, nothing is recomputed, with a warning. The last
+    segment is never recomputed; a nested model is one node. See
+    docs/remat.md.
     """
     graph = _graph.Graph(model)
     if remat != "auto":
@@ -79,15 +67,8 @@ def plan_segments(model, remat, batch=None) -> Cuts:
 
 
 def _keep_lookup(graph, separators, cuts, note) -> Cuts:
-    """`cuts`, with a leading `Embedding` lookup made a segment of its own that is
-    not recomputed, where the first segment would hold it.
-
-    Recomputing the lookup saves only its output, one micro-batch's embedded
-    tokens, and costs more than that: tf_keras's `transformer_layer` of
-    docs/benchmarks.md (two block layers at micro-batch 32, one inter-op
-    thread) peaked at 39.1 to 42.5 MiB with the lookup in the first recomputed
-    segment, 36.1 to 37.5 with it kept, as with a `Remat` around each block.
-    """
+    """`cuts`, a leading `Embedding` lookup made a kept segment of its own where the first
+    segment would hold it (recomputed, it measured higher: docs/remat.md)."""
     first = separators[0]
     layer = graph.nodes[first][0]
     leading = isinstance(layer, _keras.keras.layers.Embedding) and all(
@@ -113,11 +94,7 @@ def _candidate_separators(graph):
 
 def estimated_candidates(model, batch):
     """[(description, cut layers' names, estimated peak in bytes)] for `remat="auto"`'s
-    candidates at `batch` samples, lowest estimate first.
-
-    Raises:
-        ValueError: if the model has no tensor that separates its graph.
-    """
+    candidates at `batch` samples, lowest first; `ValueError` where there is no segment."""
     graph = _graph.Graph(model)
     separators = _candidate_separators(graph)
     if not separators:
@@ -170,14 +147,9 @@ def _traced_units(model, graph, separators):
 
 
 class SegmentPlan:
-    """A functional model's forward pass run as a chain of segments.
-
-    Each segment is a functional model over the original layers (weights
-    shared) from one cut tensor to the next. In training, the segments marked
-    in `recomputed` (by default all but the last) are recomputed in the
-    backward pass. A segment given a device in `devices` runs there, its
-    backward pass included (see `keras_memopt.placement`).
-    """
+    """A functional model's forward pass run as a chain of segments, functional models over
+    the same layers; in training, those marked `recomputed` (default: all but the last) are
+    recomputed, and each runs on its `devices` entry, backward pass included."""
 
     def __init__(self, model, cuts, graph, recomputed=None, devices=None):
         inputs, outputs = _keras.nested_inputs_outputs(model)
@@ -197,12 +169,8 @@ class SegmentPlan:
         self.placed = any(self.devices)
 
     def __call__(self, inputs, training):
-        """The model's outputs, each with the Keras mask its last layer gives it.
-
-        A segment reads the mask of the tensor it starts from (an
-        Embedding's `mask_zero`) as a layer does; `recompute` and
-        `on_device` put each segment's output masks on their new tensors.
-        """
+        """The model's outputs, with their Keras masks (`recompute` and `on_device` carry
+        each segment's output masks onto their new tensors)."""
         x = inputs
         for segment, recomputed, device in zip(
             self.segments, self.recomputed, self.devices, strict=True
