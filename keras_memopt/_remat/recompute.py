@@ -1,21 +1,10 @@
 """Recomputation in the backward pass: the custom gradient behind every recomputed segment.
 
-`recompute(call, layer, args)` calls `call` and keeps only its tensor
-arguments for the backward pass, which runs the call again (replaying its
-randomness, discarding its state updates) under a tape and differentiates
-it. `on_device(call, args, device)` runs a call and its backward pass on one
-device, recomputing nothing. `keras_memopt.Remat` and the segments of
-`keras_memopt._remat.segments` are built on these.
-
-Why not `keras.RematScope` / `keras.remat`: on the TensorFlow backend they
-fail inside graph-mode `fit()` when a layer takes keyword arguments such as
-`training` (TensorFlow's `custom_gradient` accepts only positional tensors
-outside eager mode), their recomputation draws new dropout masks and applies
-BatchNormalization's moving-statistics update a second time. Here the call is
-a function of positional tensors only (keyword arguments are bound before
-the gradient is defined), the recomputation replays the forward pass's random
-seeds (google-research/bigbird's seeded stateless dropout is the same idea)
-and discards state updates, so gradients equal those without recomputation.
+Why not `keras.RematScope` / `keras.remat`: on TensorFlow they fail inside graph-mode `fit()`
+when a layer takes keyword arguments (`custom_gradient` takes only positional tensors outside
+eager mode), draw new dropout masks and update BatchNormalization's statistics twice. Here
+keyword arguments are bound before the gradient is defined, and the recomputation replays the
+forward pass's random seeds and discards state updates (`_keras.replay`).
 """
 
 from __future__ import annotations
@@ -42,12 +31,8 @@ def _differentiable(tensor):
 
 
 def _after(tensors, upstream):
-    """`tensors`, made to depend on the incoming gradient.
-
-    Without the dependency TensorFlow may run the recomputation as soon as the
-    segment's inputs exist, during the forward pass, which would keep its
-    activations alive exactly as if nothing were recomputed.
-    """
+    """`tensors`, made to depend on the incoming gradient (else TensorFlow may recompute
+    during the forward pass, keeping the activations alive as if nothing were recomputed)."""
     probe = next((g for g in upstream if g is not None and _differentiable(g)), None)
     if probe is None:
         return [tf.identity(t) for t in tensors]
@@ -72,26 +57,15 @@ def on(device):
 
 
 def recompute(call, layer, args, kwargs=None, device=None):
-    """Calls `call(*args, **kwargs)`; its backward pass recomputes the call.
-
-    Only the tensors in `args` and `kwargs` are kept for the backward pass;
-    other values (`training=True`, masks given as Python values) are bound
-    before the gradient is defined; the Keras masks of the tensors reach the
-    call, and its outputs carry the masks it gave them. `layer` is the layer (or model) that
-    `call` runs: its random seeds are replayed and its state updates discarded
-    during the recomputation. With `device`, the call, its recomputation and
-    its backward pass run there.
-    """
+    """Calls `call(*args, **kwargs)`, keeping only the tensor arguments; its backward pass
+    runs it again, `layer`'s random seeds replayed and state updates discarded, on `device`
+    where given. Keras masks reach the call and its outputs carry the masks it gave them."""
     return _custom_backward(call, layer, args, kwargs or {}, device, recomputed=True)
 
 
 def on_device(call, args, device):
-    """Calls `call(*args)` on `device`, and runs its backward pass there too.
-
-    A gradient tape places the backward pass's ops on no device (they would
-    run on the default one); here the forward pass is recorded on its own tape,
-    whose gradient is taken under `tf.device(device)`. Nothing is recomputed.
-    """
+    """Calls `call(*args)` on `device`, and its backward pass there too (a tape would put it
+    on the default device): the forward pass's own tape is differentiated under `device`."""
     return _custom_backward(call, None, args, {}, device, recomputed=False)
 
 
@@ -163,12 +137,8 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
 
 
 def _gradients(tape, outputs, upstream, inputs, sources, variables):
-    """What a custom gradient returns: the gradients of `inputs` (and `variables`).
-
-    A variable the outputs do not depend on gets None, as from a tape over the
-    layer: the optimizer then leaves it alone (a zero would move it with weight
-    decay, and overwrite a float8 scale read in inference mode with zero).
-    """
+    """The gradients of `inputs` (and `variables`); None for a variable the outputs do not
+    depend on, as from a tape (a zero would move it with weight decay)."""
     targets, target_gradients = [], []
     for output, grad in zip(outputs, upstream, strict=True):
         if grad is not None and _differentiable(output):
