@@ -1,28 +1,10 @@
 """The out-of-memory backoff policy: shrink the micro-batch where that helps, else report.
 
-`BackoffPolicy` is what the step runner asks after an attempt at a step ran
-out of memory and was put back (`keras_memopt._oom.runner`): it either sets the
-smaller micro-batch to retry the same batch with, or raises the one report
-that says why no smaller micro-batch can help. `OOMBackoff` (a callback) owns
-one and attaches it to the model for the length of `fit`, `evaluate` or
-`predict`; `micro_batch_size="auto"` uses the attached one, or a quiet one of
-its own (`keras_memopt._oom.auto_search`).
-
-The rule, by where memory ran out (`keras_memopt._oom.errors.Phase`):
-
-- in a micro-batch's forward and backward pass (or evaluation): multiply the
-  micro-batch size by `factor` (`keras_memopt._oom.rule.shrink`), down to
-  `min_micro_batch_size`, where the report is raised instead;
-- in the gradient sum or the optimizer update: no micro-batch size needs
-  less memory there, so the report is raised at once;
-- in the micro-batch pass, where the device's total is known and cannot
-  hold the gradient sum and one micro-batch's gradient of the largest
-  variable beside what was in use when the step started: reported at once,
-  as the gradient sum's;
-- where the device's total is not known: one trial halving; when the same
-  allocation (the same op and shape, no dimension of which is the
-  micro-batch) fails again, the report says the micro-batch was not the
-  cause.
+`BackoffPolicy` is what the step runner asks after an attempt ran out of memory and was put
+back: it sets the smaller micro-batch to retry the same batch with, or raises the report of why
+none can help. `OOMBackoff` owns one and attaches it for the length of `fit`, `evaluate` or
+`predict`; `micro_batch_size="auto"` uses it, or a quiet one of its own. The rule, by where
+memory ran out: docs/oom-backoff.md.
 """
 
 from __future__ import annotations
@@ -80,14 +62,8 @@ class BackoffPolicy:
         return shrink(size, self.factor, self.min_micro_batch_size)
 
     def back_off(self, model, failure: OutOfMemory):
-        """Sets the micro-batch size to retry with after `failure`, or raises the report.
-
-        Called by the step runner after it put the failed step back.
-
-        Raises:
-            tf.errors.ResourceExhaustedError: where a smaller micro-batch
-                cannot help: naming the phase, the bytes and what to try.
-        """
+        """Sets the micro-batch size to retry with after `failure` (the step put back), or
+        raises the report (`ResourceExhaustedError`) where a smaller one cannot help."""
         message = self.refusal(failure)
         if message is not None:
             # Not raised from the error: its traceback would hold the failed
@@ -125,11 +101,8 @@ class BackoffPolicy:
             )
 
     def refusal(self, failure: OutOfMemory) -> str | None:
-        """The report `back_off` would raise for `failure`, or None where it would back off.
-
-        Changes nothing: under several workers each asks before they agree,
-        so that all stop where one must.
-        """
+        """The report `back_off` would raise for `failure`, or None; changes nothing (several
+        workers each ask before they agree, so that all stop where one must)."""
         refusal = self._refusal(failure)
         if refusal is None:
             return None

@@ -1,18 +1,10 @@
 """The update's guard: an update starts only where it is known to fit.
 
-The first step at each micro-batch size measures, with the allocator, what the
-update allocates above its start (the step runner keeps the weights and
-optimizer variables in host memory meanwhile, to put back after a failed
-update). Every later update first checks that the device has that much free
-(its total less the allocator's bytes in use); where it has not, the step
-stops there with an out-of-memory error, before anything of the update has
-run. Where the device's total is not known, the update instead allocates and
-frees as many bytes as it needs before it starts. Checking is preferred: the
-BFC allocator may hand a reservation a chunk of up to twice its size, which
-then counts in the step's peak (docs/oom-backoff.md).
-
-The step's update waits for `UpdateGuard.begin` (`keras_memopt._step.update`);
-the step runner (`keras_memopt._oom.runner`) arms, disarms and reads it.
+The first attempt at each micro-batch size measures what the update allocates above its start
+(the runner keeps the update's variables in host memory meanwhile); later updates first check
+that much is free, and stop with an out-of-memory error before anything of the update ran, or,
+where the device's total is not known, reserve it. Why checking is preferred:
+docs/oom-backoff.md. The step's update waits for `begin`; the runner arms, disarms and reads.
 """
 
 from __future__ import annotations
@@ -30,17 +22,10 @@ _KIB = 1024
 class UpdateGuard:
     """Lets a step's update start only where it fits, and says whether it began.
 
-    Created with the model (under its distribution strategy); the step calls
-    `begin` between the loop and the update, the step runner `arm` before
-    an attempt, `record_need` after one that ran, and `disarm` where no policy is
-    attached (the update then runs unguarded, as in plain Keras).
-
-    At the update's start a `tf.py_function` (`_update_begins`) either
-    measures (the first attempt at a micro-batch size: it reads the loop's
-    peak and starts a new peak window of the allocator, whose peak is then
-    the update's) or checks that the update's measured need is free. Where
-    the device's total is not known it does neither, and the step reserves
-    the need instead (`update_reservation`).
+    At the update's start a `tf.py_function` (`_update_begins`) either measures
+    (a new peak window, whose peak is then the update's) or checks that the
+    measured need is free. Without a policy attached (`disarm`) the update
+    runs unguarded, as in plain Keras.
     """
 
     # What is added to the update's measured need before it is checked or
@@ -117,15 +102,9 @@ class UpdateGuard:
         )
 
     def refusal_now(self) -> str | None:
-        """The check the update makes at its start, made now, on the host.
-
-        For an update that runs after the workers agreed that the step goes
-        on (`keras_memopt._oom.coordinator.SeveralWorkers`): an error inside it
-        would leave the other workers waiting in its collective ops, so
-        `arm(..., check_in_step=False)` leaves it out of the step and
-        the runner calls this before they agree. Returns the out-of-memory
-        message where the measured need is not free on a device, else None.
-        """
+        """The update's check made now, on the host: the out-of-memory message or None. For
+        several workers (`arm(check_in_step=False)`), checked before they agree, since an
+        error inside the update would leave the others waiting in its collective ops."""
         if self._measuring:
             return None
         for device in self._devices:
@@ -137,14 +116,9 @@ class UpdateGuard:
     # -- in the step runner ------------------------------------------------------------
 
     def arm(self, key, devices, check_in_step: bool = True) -> bool:
-        """Before an attempt at micro-batch `key`: arms the check of its update.
-
-        With `check_in_step=False` the step itself does not check (the
-        runner calls `refusal_now` instead; it still measures or reserves).
-        Returns whether the guard knows what the update needs; when it does
-        not, this attempt measures it, and the runner must keep the update's
-        variables elsewhere meanwhile (`HostCopy`).
-        """
+        """Before an attempt at micro-batch `key`: arms the update's check (not in the step
+        with `check_in_step=False`). Returns whether the need is known; where not, this
+        attempt measures it and the runner keeps the update's variables (`HostCopy`)."""
         self._armed = True
         self._began.assign(0)
         if self._devices != list(devices):
@@ -195,11 +169,7 @@ class UpdateGuard:
         self._needs = {}
 
     def update_began(self) -> bool:
-        """Whether the last attempt's update may have run: every replica got as far as it.
-
-        One replica's mark alone says nothing: the update waits for the sum of
-        every replica's gradients, so a replica that ran out of memory in its
-        micro-batches stopped the update before anything of it was applied.
-        """
+        """Whether the last attempt's update may have run: every replica got as far as it
+        (the update waits for every replica's gradients)."""
         parts = getattr(self._began, "values", None) or (self._began,)
         return all(int(part.numpy()) for part in parts)
