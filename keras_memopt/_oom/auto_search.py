@@ -1,18 +1,9 @@
 """`micro_batch_size="auto"`: the largest micro-batch that trains a run of steps, with headroom.
 
-The search starts with the whole batch as one micro-batch; each
-out-of-memory error is rolled back and the micro-batch shrunk by the policy
-an `OOMBackoff` attached (or a quiet `BackoffPolicy` with its defaults). The
-first size that runs is only a candidate (a later step's peak can be
-higher): the search goes on for `STEPS` consecutive steps at it (real
-training steps; an out-of-memory error among them is rolled back and
-shrinks the size as before, and the run starts again), reading each step's
-peak from the allocator. The margin is the spread of those peaks (how far the highest
-rose above the median: `headroom`): where the highest peak plus the margin
-does not fit in what the device can hand out, the size is shrunk by the
-policy's factor (no step fails for it) and a new run starts. The choice and
-the margin it kept are reported when a run ends, and kept in
-`model.micro_batch_search`.
+From the whole batch, each out-of-memory error rolled back and the size shrunk by the attached
+`OOMBackoff`'s policy (or a quiet default one); the first size that runs must then train `STEPS`
+consecutive steps with their peaks' spread free (`headroom`), else it shrinks and a new run
+starts. Kept in `model.micro_batch_search`. See docs/oom-backoff.md.
 """
 
 from __future__ import annotations
@@ -26,17 +17,9 @@ from keras_memopt.memory import device_total
 
 
 def headroom(peaks: list[int], total: int | None) -> dict:
-    """Whether steps whose allocator peaks were `peaks` leave their spread free.
-
-    The spread is how far the highest peak rose above the median one: what
-    a step at this size was seen to need beyond a typical step, and so what
-    the next may need beyond the highest seen. Steps below the median (an
-    epoch's last steps, with no input to prepare beside them) say nothing of
-    that, and do not count. Returns `margin` (that spread), `highest`,
-    `total` and `fits`: the highest peak plus the margin is at most `total`
-    (True where `total` is not known: nothing to check against). What
-    `micro_batch_size="auto"` keeps free, and `MemoryPlanner` with it.
-    """
+    """Whether steps whose allocator peaks were `peaks` leave their spread (the highest above
+    the median: what the next step may need beyond the highest seen) free of `total`.
+    Returns `margin`, `highest`, `total` and `fits` (True where `total` is unknown)."""
     highest = max(peaks)
     margin = highest - int(statistics.median(peaks))
     fits = total is None or highest + margin <= total

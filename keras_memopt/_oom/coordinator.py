@@ -1,16 +1,9 @@
 """Running one step's functions: on one worker, or on several that must retry together.
 
-The step runner attempts a step in three calls: `run` (the part of the step
-that may fail on this worker alone), `agree` (every worker's status) and
-`finish` (the rest). On one worker (`OneWorker`) the whole step is `run`,
-and nothing is agreed. Under several workers (`SeveralWorkers`) a
-worker that retried alone would wait in collective ops the others never
-join (measured: every worker hangs), so `run` is the step's part without
-collective ops, all agree whether any must retry, and `finish` is the
-collective part; after it all agree once more (`finish_agreed`), so that an
-error in one worker's collective part (out of memory in its update, after
-the gradients' all-reduce) stops or rolls back every worker alike, where
-the others would otherwise go on to the next step alone.
+The runner attempts a step in three calls: `run` (what may fail on this worker alone), `agree`
+(every worker's status) and `finish` (the collective rest). On one worker `run` is the whole
+step. Under several, a worker that retried alone would wait in collective ops the others never
+join (measured: every worker hangs). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -40,11 +33,8 @@ def _spec_key(value):
 
 
 class _Traced:
-    """A step function, traced once per input signature before it runs.
-
-    Tracing creates the variables Keras makes lazily (optimizer slots,
-    metrics) before the runner snapshots the state.
-    """
+    """A step function, traced once per input signature before it runs, so that the variables
+    Keras makes lazily exist before the runner snapshots the state."""
 
     def __init__(self, function):
         self.function = function
@@ -77,15 +67,9 @@ class OneWorker:
 class SeveralWorkers:
     """A step under several workers in three calls, so that all retry an out-of-memory error.
 
-    1. `run(data)`: this worker's share of the step, no collective op (the
-       micro-batch loop, metric updates); an out-of-memory error here is
-       caught on this worker alone.
-    2. `agree(status)`: one all-reduce of every worker's `StepStatus`; every
-       worker learns whether any must retry or stop, and all act alike.
-    3. `finish(outputs)`: the collective part (the gradient all-reduce and the
-       update, or the logs' reduction), on what `run` returned.
-
-    Functions with collective ops are traced in the same order on every
+    `run(data)` has no collective op; `agree(status)` all-reduces every
+    worker's `StepStatus`; `finish(outputs)` is the collective part. Functions
+    with collective ops are traced in the same order on every
     worker (their ops are matched by keys handed out when traced): `agree`
     first, then `finish`; `run` may be traced again on one worker alone.
     """
@@ -129,12 +113,8 @@ class SeveralWorkers:
     def finish_agreed(self, outputs):
         """`(outputs, status, error)`: the collective part, then every worker's status after it.
 
-        `status` is the agreed one; `error` this worker's: the text of an
-        out-of-memory error (`_oom_errors.ErrorText`, its tracebacks
-        dropped), another error as it was raised, or None. An error that
-        comes before the collective ops have run everywhere leaves the other
-        workers waiting in them: the step runner checks the update's memory
-        before the workers agree, so that what is known to fail never starts.
+        `status` is the agreed one; `error` this worker's (an out-of-memory
+        error's text, another as raised, or None).
         """
         try:
             outputs = self.finish(outputs)

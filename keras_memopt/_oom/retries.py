@@ -1,15 +1,10 @@
 """Retrying a step that ran out of memory: the one loop, around the step.
 
-With an out-of-memory policy attached (`OOMBackoff`, or
-`micro_batch_size="auto"`), the step runner (`keras_memopt._oom.runner`)
-hands each step to `Retries.run`: attempt the step; on an out-of-memory error
-put back what the attempt changed (`keras_memopt._step.rollback`), ask the
-policy (which sets a smaller micro-batch, or raises its report), and attempt
-the same batch again. Under several workers all agree on each attempt, before
-its collective part and after it (`keras_memopt._oom.coordinator`). The
-micro-batch size is run-time state of the step, so a retry traces nothing. An
-out-of-memory error is kept as its text, its tracebacks dropped: nothing of a
-failed attempt outlives the retry.
+With a policy attached (`OOMBackoff`, `micro_batch_size="auto"`), the step runner hands each
+step to `Retries.run`: attempt; on an out-of-memory error put back what the attempt changed
+(`_step.rollback`), ask the policy, attempt the same batch again (the size is run-time state:
+nothing is retraced). An error is kept as its text, its tracebacks dropped: nothing of a failed
+attempt outlives the retry. Several workers agree on each attempt (`_oom.coordinator`).
 """
 
 from __future__ import annotations
@@ -50,11 +45,8 @@ class Retries:
         self._snapshot = _rollback.Snapshot(lambda: kept(model), model.distribute_strategy)
 
     def run(self, coordinator, data, spec, policy, in_use):
-        """The step's outputs, after as many backoffs as `policy` allows.
-
-        `in_use(data)` is the micro-batch size of the next attempt (each
-        backoff changes it).
-        """
+        """The step's outputs, after as many backoffs as `policy` allows; `in_use(data)` is
+        the next attempt's micro-batch size."""
         while True:
             size = in_use(data)
             outputs, failure = self._attempt(coordinator, data, spec, size, policy)
@@ -74,13 +66,7 @@ class Retries:
 
     def _attempt(self, coordinator, data, spec, size, policy):
         """One attempt: `(outputs, None)`, or `(None, OutOfMemory)` with the state put back.
-
-        Under several workers they agree twice: after each one's own part
-        (whether any ran out of memory; a worker whose policy would refuse
-        stops them all, so that none retries alone) and after the
-        collective part, whose failure on one worker puts every worker's
-        step back (`_coordinator.SeveralWorkers.finish_agreed`).
-        """
+        Several workers agree after their own parts and after the collective one."""
         model = self.model
         several = isinstance(coordinator, _coordinator.SeveralWorkers)
         attempt = _Attempt(size, _step_devices(model.distribute_strategy))
@@ -115,12 +101,8 @@ class Retries:
         return None, self._failure(error, phase, attempt, time.perf_counter() - recovery)
 
     def _before_agreeing(self, status, error, attempt, policy):
-        """Under several workers: `(status, error, refusal)` to agree on.
-
-        The update's memory is checked here (not in the step: the other
-        workers would wait in its collective ops), and a worker out of
-        memory whose policy would refuse says FAILED, with the report.
-        """
+        """Under several workers: `(status, error, refusal)` to agree on, the update's memory
+        checked here, a worker whose policy would refuse saying FAILED."""
         if status == StepStatus.OK and self._guarded():
             refused = self.state.guard.refusal_now()
             if refused is not None:
@@ -174,13 +156,9 @@ class Retries:
 
     @staticmethod
     def _run_once(coordinator, data, spec):
-        """`(status, error, outputs, seconds)` of this worker's part of the step.
-
-        An out-of-memory error comes back as its text (`_oom_errors.ErrorText`),
-        its tracebacks dropped: their frames would keep the failed attempt's
-        batch allocated. Another error is raised at once on one worker; under
-        several, the others must learn of it first, and it comes back as it is.
-        """
+        """`(status, error, outputs, seconds)` of this worker's part of the step. An
+        out-of-memory error comes back as its text (its tracebacks' frames would keep the
+        batch allocated); another is raised, or under several workers comes back as it is."""
         started = time.perf_counter()
         try:
             outputs = coordinator.run(data, spec)
