@@ -1,18 +1,7 @@
-"""TensorFlow's allocator figures per device: bytes in use and the peak.
-
-Where a CPU has figures: under TensorFlow's default CPU allocator with oneDNN
-on (TensorFlow's default on x86), for allocations of 256 KiB or more only
-(smaller ones go to a pool it does not count); under its BFC allocator
-(`TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts), for every
-allocation; with oneDNN off (`TF_ENABLE_ONEDNN_OPTS=0`) and no BFC, none
-(TensorFlow 2.21). A GPU always has them.
-
-The train step measures its own peak (`reset_step_peak`, `step_peak`); a
-reader's peak since its own window began (`allocator_memory`) still counts
-what that reset away.
-
-Importing this module does not import TensorFlow (the functions do).
-"""
+"""TensorFlow's allocator figures per device: bytes in use and the peak (which CPUs have them:
+docs/memory.md). The train step measures its own peak (`reset_step_peak`, `step_peak`); a
+reader's peak (`allocator_memory`) still counts what that reset away. Importing this module
+does not import TensorFlow."""
 
 from __future__ import annotations
 
@@ -43,30 +32,8 @@ def default_device() -> str:
 
 
 def allocator_memory(device: str | None = None) -> dict | None:
-    """Current and peak bytes of TensorFlow's allocator on `device`, or None.
-
-    A GPU always has these figures. A CPU has them under TensorFlow's
-    default allocator with oneDNN on (TensorFlow's default; allocations of
-    256 KiB or more only) and under its BFC allocator
-    (`TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts; every
-    allocation), not with oneDNN off and no BFC.
-
-    Args:
-        device: str, a logical device such as `"GPU:0"`. Defaults to the
-            first GPU, else `"CPU:0"`.
-
-    Returns:
-        `{"device": ..., "current": bytes, "peak": bytes}`, or None where the
-        device gives no figures.
-
-    Example:
-
-    ```python
-    info = allocator_memory()
-    if info is not None:
-        print(format_bytes(info["peak"]), "peak on", info["device"])
-    ```
-    """
+    """`{"device", "current", "peak"}` bytes of TensorFlow's allocator on `device` (default:
+    the first GPU, else `"CPU:0"`), or None where the device gives no figures (docs/memory.md)."""
     import tensorflow as tf
 
     device = device or default_device()
@@ -85,11 +52,8 @@ _PEAKS_RESET_AWAY: dict[str, int] = {}
 
 
 def reset_step_peak(device: str) -> int | None:
-    """Starts a new peak window on `device` for one step; returns its current bytes.
-
-    What the allocator's peak was before is kept for `allocator_memory`.
-    Returns None where the device gives no figures.
-    """
+    """Starts a new peak window on `device` for one step (the peak before kept for
+    `allocator_memory`); returns its current bytes, or None without figures."""
     import tensorflow as tf
 
     info = allocator_memory(device)

@@ -1,13 +1,6 @@
-"""The files a `MemoryLogger` writes: checked before training, held while it runs.
-
-A logger checks its paths at the start of training, before the first step,
-so that a missing folder fails there rather than at the end of the first
-epoch (when Keras would lose the run's `History`). It then holds its files
-until training ends, so that a second logger in the same process cannot
-write one of them at the same time. A file left from an earlier run is
-replaced, or added to with `append=True`, as `keras.callbacks.CSVLogger`
-does.
-"""
+"""The files a `MemoryLogger` writes: checked before the first step (not at the first epoch's
+end, when Keras would lose the run's `History`), held while it runs so that no second logger
+writes one at the same time."""
 
 from __future__ import annotations
 
@@ -17,12 +10,8 @@ import threading
 
 
 def check_path(path, what: str) -> str:
-    """`path` made absolute, where a file can be written there.
-
-    Raises:
-        ValueError: naming `what` (the argument), where the folder does not
-            exist or cannot be written, or `path` is a folder.
-    """
+    """`path` made absolute, where a file can be written there; else `ValueError` naming
+    `what`, the argument."""
     absolute = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(absolute)
     if not os.path.isdir(folder):
@@ -49,17 +38,10 @@ def check_path(path, what: str) -> str:
 
 @dataclasses.dataclass
 class _Claim:
-    """A logger's hold on a file for one `fit` call.
-
-    Keras calls no `on_train_end` when `fit` raises, so a claim outlives a
-    failed `fit`; it blocks another logger only while its `fit` may still be
-    running. Keras hands every callback of one `fit` call the same `params`
-    dict, which tells two loggers of one `fit` apart from loggers of two. In
-    one thread, `fit` calls run one after another, so a claim made there by
-    another `fit` is from one that has ended (a `fit` nested inside another's
-    callback is not told apart). A claim from another thread blocks while
-    that thread lives: its `fit` may be running.
-    """
+    """A logger's hold on a file for one `fit` call, blocking another logger only while that
+    `fit` may still run (a failed `fit` calls no `on_train_end`): one `fit` is told by the
+    `params` dict Keras hands all its callbacks; one thread's earlier `fit` has ended; another
+    thread's may run while that thread lives."""
 
     owner: object
     fit: object  # the `params` of the `fit` call that made the claim
@@ -81,13 +63,8 @@ _FILES_IN_USE: dict[str, _Claim] = {}
 
 
 def claim(paths: dict[str, str], owner, fit):
-    """Holds every path of `paths` (argument name → absolute path) for `owner`.
-
-    All or none: a refusal holds nothing new.
-
-    Raises:
-        FileExistsError: if another logger is writing one of the files.
-    """
+    """Holds every path of `paths` (argument name → absolute path) for `owner`, all or none;
+    `FileExistsError` if another logger is writing one."""
     for what, path in paths.items():
         holder = _FILES_IN_USE.get(path)
         if holder is not None and holder.blocks(owner, fit):
