@@ -1,22 +1,10 @@
 """keras_memopt: train Keras models that do not fit in accelerator memory.
 
-`import keras_memopt` imports the whole public API, TensorFlow included: that
-registers `AccumulatingModel` and `Remat` with Keras, so that
-`keras.models.load_model` can rebuild models that use them. (Keras imports
-the module of a saved class only for its own packages; any other class must
-be registered before loading, so these imports cannot wait until first use.)
-
-The one exception is the `keras-memopt` command (or `python -m
-keras_memopt.cli`), which needs TensorFlow only once its arguments are parsed:
-run as that command, this package loads its public names on first use (PEP
-562), so `keras-memopt --help` and argument errors return at once, and the
-command imports what it uses itself (`plan` imports `keras_memopt.models`
-before loading a model).
-
-On Keras 3's JAX backend (`KERAS_BACKEND=jax`) the package exports
-`AccumulatingModel`, the JAX step's (`keras_memopt.jax_models`), and `Remat`
-(recomputed with `jax.checkpoint`); the other names are TensorFlow's and say
-so when asked for.
+`import keras_memopt` imports the whole public API, TensorFlow included, so that
+`AccumulatingModel` and `Remat` are registered before `keras.models.load_model` needs them.
+Run as the `keras-memopt` command, it loads its names on first use (PEP 562), so that `--help`
+returns at once. On JAX (`KERAS_BACKEND=jax`) it exports the JAX step's `AccumulatingModel`
+and `Remat`; the other names say they are TensorFlow's when asked for.
 """
 
 import os as _os

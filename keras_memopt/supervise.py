@@ -1,16 +1,10 @@
 """Supervised training: a crashed training process restarts with a smaller micro-batch.
 
-Some out-of-memory errors kill TensorFlow itself (a SIGSEGV in its oneDNN
-kernels) instead of raising an exception `OOMBackoff` could catch. `keras-memopt
-run [options] -- python train.py ...` runs the training command, and when the
-process dies of a signal it runs it again with every `AccumulatingModel`'s
-micro-batch capped at `factor` times the size in use, and oneDNN off. The
-training process reports its size through the file named by
-`KERAS_MEMOPT_RUN_STATE` and reads its cap from
-`KERAS_MEMOPT_MAX_MICRO_BATCH_SIZE` (`keras_memopt._oom.supervised`). A process
-that exits with an error is not restarted. The user guide's "Out-of-memory
-backoff" page (docs/oom-backoff.md, "When TensorFlow itself dies") says what
-is resumed and how exactly.
+Some out-of-memory errors kill TensorFlow itself (a SIGSEGV in oneDNN) instead of raising.
+`keras-memopt run -- python train.py` restarts a process that died of a signal with every
+`AccumulatingModel`'s micro-batch capped at `factor` times the size in use (reported and read
+through `_oom.supervised`'s variables) and oneDNN off; one that exits with an error is not
+restarted. See docs/oom-backoff.md, "When TensorFlow itself dies".
 """
 
 from __future__ import annotations
