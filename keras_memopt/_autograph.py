@@ -1,17 +1,10 @@
 """The package's `tf.function`s: its own code as written, the user's converted as Keras converts it.
 
-tf_keras converts a subclassed layer's `call`, a loss function and a metric's
-`update_state` with AutoGraph where the function being traced leaves the
-choice open, so that their Python control flow on tensors (`if
-tf.reduce_mean(x) > 0:`) runs in the graph; plain tf_keras's step functions
-leave it open. `tf.function(autograph=False)` does not: it turns AutoGraph off
-for everything it calls, and such a `call` failed in an `AccumulatingModel`
-with `OperatorNotAllowedInGraphError`. `tf.function(autograph=True)` converts
-the package's own code as well, which needs no conversion (Keras 3 converts
-nothing) and took tf_keras about 2.5 s of CPU at each process's first step.
-`function` leaves the choice open, as tf_keras's own step functions do. On
-Keras 3 nothing reads it: its layers and losses are not converted, and
-`strategy.run` converts nothing unless AutoGraph is on.
+tf_keras converts a layer's `call`, a loss and a metric's `update_state` with AutoGraph where
+the traced function leaves the choice open, as its own step functions do, and `function` does
+too: `autograph=False` turned it off for the user's code (`OperatorNotAllowedInGraphError` on
+Python control flow on tensors), `autograph=True` converted the package's own as well (about
+2.5 s of CPU at each process's first step). Keras 3 converts nothing.
 """
 
 from __future__ import annotations

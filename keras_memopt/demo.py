@@ -1,16 +1,9 @@
 """`keras-memopt demo`: plain Keras runs out of memory; `AccumulatingModel` trains.
 
-The demo gives TensorFlow's CPU a memory limit, the way a GPU has one, and
-trains the same MLP at the same effective batch twice under it: as a plain
-`keras.Model`, which runs out of memory (a real `ResourceExhaustedError` from
-TensorFlow's allocator), and wrapped in `AccumulatingModel`, which splits each
-batch into micro-batches and trains. It prints the allocator's peak memory of
-both runs and the training loss.
-
-TensorFlow reads its allocator settings once, when it initialises, so every
-run happens in a fresh child process started with them
-(`keras_memopt._subprocess`); the parent process runs no TensorFlow itself.
-Ctrl-C stops the run in progress and exits with status 130.
+Under a CPU memory limit, the same MLP at the same batch: a plain `keras.Model` runs out of
+memory (a real `ResourceExhaustedError`), the `AccumulatingModel` trains; both peaks and the loss
+are printed. Each run is a fresh child process (`_subprocess`), as TensorFlow reads its
+allocator settings once. Ctrl-C exits with status 130.
 
 Example:
 

@@ -1,15 +1,5 @@
-"""What a step needs beyond one device: replicas, workers, and their outputs.
-
-- `step_function(model, kind, step)`: one step on one batch across the
-  model's replicas, with Keras's reduction of the outputs (across workers
-  too, under `MultiWorkerMirroredStrategy`).
-- `local_variables`: the per-replica parts of distributed variables, which
-  can be read and written without any collective op.
-- `multi_worker`, `writes_files`: what several worker processes change.
-
-Agreeing across workers on a failed step is `keras_memopt._oom.coordinator`'s;
-uneven replica shares are `keras_memopt._step.shares`'.
-"""
+"""What a step needs beyond one device: replicas, workers, and their outputs (agreeing on a
+failed step is `_oom.coordinator`'s; uneven replica shares `_step.shares`')."""
 
 from __future__ import annotations
 
