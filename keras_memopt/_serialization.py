@@ -1,10 +1,7 @@
 """Saving, loading, cloning and pickling an `AccumulatingModel`, its setting included.
 
-`SerializationMixin` adds the micro-batch setting, `remat`, replica shares
-and placement to the model's config (and to its compile config, which is
-what Keras 3's `clone_model` passes on), and reads them back.
-`functional_class` gives the functional form of an `AccumulatingModel`
-class, the one that is saved and revived.
+The setting goes into the model's config and its compile config (what Keras 3's `clone_model`
+passes on); `functional_class` is the form that is saved and revived.
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ def functional_class(cls, *mixins):
     """`cls` with Keras's functional model class mixed in (after `mixins`, which
     only the functional form has).
 
-    Keras turns a `Model` subclass built from inputs and outputs into a
-    functional model by rewriting the class's bases in place, which would
-    break every later subclassed use of `AccumulatingModel`. A dedicated
-    subclass per class keeps `AccumulatingModel` itself untouched.
+    Keras would otherwise rewrite the class's bases in place, breaking every later subclassed
+    use of `AccumulatingModel`.
     """
     if cls not in _FUNCTIONAL_CLASSES:
         functional = type(

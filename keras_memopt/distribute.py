@@ -30,12 +30,8 @@ def writes_files(strategy) -> bool:
 
 
 def local_variables(variables, strategy) -> list:
-    """The variables this process holds for `variables` (each replica's part).
-
-    Reading a sum-aggregated (metric) variable in cross-replica context adds
-    the replicas' parts up, across workers an all-reduce: the parts are what a
-    snapshot can read and put back on one worker alone.
-    """
+    """Each replica's part of `variables`: what a snapshot can read and put back on one worker
+    alone (reading a sum-aggregated variable would all-reduce)."""
     parts = []
     for variable in variables:
         inner = variable
@@ -108,12 +104,9 @@ def _multi_worker_concat(value, strategy):
 def step_function(model, kind, step):
     """A function that runs one `kind` step on one batch of data (not an iterator).
 
-    Keras's own step functions pull the batch from a `tf.data` iterator inside
-    the graph, so a failed step cannot be retried on the same batch. This is
-    their one-batch equivalent: the same distribution, reduction and (tf_keras)
-    step counter. Unless the model runs eagerly it is a `tf.function`, so
-    `get_concrete_function(data)` creates the optimizer's and metrics' variables
-    without running a step.
+    Keras's pull the batch inside the graph, so a failed step could not be
+    retried on the same batch; this has the same distribution, reduction and
+    step counter, and (unless eager) is a `tf.function`.
     """
     run_step = counted(model, kind, step)
     strategy = model.distribute_strategy

@@ -70,13 +70,8 @@ def loss_with_terms(model, x, y, y_pred, sample_weight, terms, training):
 
 @contextlib.contextmanager
 def losses_replaced(model, terms):
-    """Keras 3: `model.losses` is `terms` inside, whatever the last call added.
-
-    For a loss evaluated once on the whole batch's outputs
-    (`whole_batch_loss`), whose `add_loss` terms were added up over the
-    micro-batches. tf_keras has no such hook (`whole_batch_loss` with an
-    overridden `compute_loss` is refused there).
-    """
+    """Keras 3: `model.losses` is `terms` inside (`whole_batch_loss`'s terms summed over the
+    micro-batches); tf_keras has no such hook."""
     saved = model._losses_override
     model._losses_override = list(terms)
     try:

@@ -1,14 +1,8 @@
 """Replaying a layer's randomness: the same dropout masks in a recomputation.
 
-A recomputed segment (`keras_memopt.remat`) runs its layers twice, in the
-forward and in the backward pass; both must draw the same random numbers and
-the second must not update state (BatchNormalization's moving statistics)
-again. `random_state(layer)` pins the randomness of a call, and
-`Replay(layer, state, recompute)` runs a call with it. `Rerun(layer, state)`
-runs a whole model's call again (`whole_batch_loss`'s second pass): the same
-random numbers, its state updates put back afterwards, and its `add_loss`
-terms kept. The two Keras lines draw random numbers differently, so both live
-here.
+A recomputation must draw the forward pass's random numbers and not update state again:
+`random_state` pins a call's randomness, `Replay` runs a call with it, `Rerun` runs a whole
+model again (`whole_batch_loss`'s second pass), state put back and `add_loss` terms kept.
 """
 
 import tensorflow as tf
@@ -27,14 +21,9 @@ def _random_generators(layer):
 
 
 def random_state(layer):
-    """Tensors that pin down the randomness of the next call of `layer`.
-
-    Keras 3 layers draw random numbers with stateless ops seeded from seed
-    generator variables: their values before the call are the state. tf_keras
-    layers default to stateful random ops, which cannot be replayed, so a seed
-    per random generator is drawn here and `Replay` makes the generators use
-    it with stateless ops.
-    """
+    """Tensors that pin down the randomness of `layer`'s next call: Keras 3's seed generator
+    states; on tf_keras (stateful random ops, not replayable) a seed per generator drawn here,
+    which `Replay` makes them use with stateless ops."""
     if _keras.LEGACY:
         count = len(_random_generators(layer))
         if not count:
@@ -56,12 +45,8 @@ class _StateRestorer:
 
 
 class Replay:
-    """Runs `layer` with the randomness pinned by `state`.
-
-    With `recompute=True`, state updates made inside (BatchNormalization's
-    moving statistics, seed generators) are discarded, so a recomputation
-    neither moves them twice nor draws different random numbers.
-    """
+    """Runs `layer` with the randomness pinned by `state`; with `recompute=True` the state
+    updates made inside (moving statistics, seed generators) are discarded."""
 
     def __init__(self, layer, state, recompute):
         self.layer, self.state, self.recompute = layer, state, recompute
@@ -100,14 +85,9 @@ class Replay:
 
 
 class Rerun(Replay):
-    """Runs `layer` again with the randomness pinned by `state`, putting back what it changes.
-
-    Keras 3's `Replay(recompute=True)` discards state updates with a
-    `StatelessScope`, which also drops the `add_loss` terms of the call (an
-    activity regulariser's); here the seed states are assigned instead, and
-    every non-trainable weight and seed state is assigned back on exit, so
-    the terms stay in `layer.losses`. On tf_keras it is `Replay(recompute=True)`.
-    """
+    """Runs `layer` again with the randomness pinned by `state`, putting back what it changes
+    on exit (Keras 3's `StatelessScope` would also drop the call's `add_loss` terms); on
+    tf_keras it is `Replay(recompute=True)`."""
 
     def __init__(self, layer, state):
         super().__init__(layer, state, recompute=True)

@@ -1,10 +1,7 @@
 """A `MemoryLogger`'s plot: the memory timeline, device and host on panels of their own.
 
-The host process's RSS is hundreds of MiB (TensorFlow's own libraries) where
-a device's peak may be tens: on one axis the device's curve would be a flat
-line at the bottom. So the device figures (TensorFlow's allocator peak, and
-NVML's used memory) get the upper panel and the host's RSS the lower one,
-each on its own scale, over the same training steps.
+The host's RSS (hundreds of MiB of TensorFlow's libraries) would press a device's curve flat on
+a shared axis.
 """
 
 from __future__ import annotations

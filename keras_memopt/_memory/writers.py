@@ -18,12 +18,8 @@ _SCALAR_METADATA = summary_pb2.SummaryMetadata(
 
 
 class CsvRows:
-    """A CSV file of rows: the header from the first row, or from the file appended to.
-
-    The file is opened when the writer is made, at the start of training, so
-    that a file that cannot be written fails before the first step; without
-    `append` it is emptied then, as `keras.callbacks.CSVLogger` does.
-    """
+    """A CSV file of rows, the header from the first row or the file appended to; opened (and
+    without `append` emptied, as `CSVLogger` does) at the start of training."""
 
     def __init__(self, path: str, append: bool):
         self.path = path

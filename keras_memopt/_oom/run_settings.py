@@ -1,11 +1,8 @@
 """What a `fit`, `evaluate` or `predict` call leaves behind: the run-time settings it found.
 
-Callbacks may change an `AccumulatingModel`'s run-time settings for the
-length of a call (`OOMBackoff` attaches its policy as `model.oom_policy` and
-may turn XLA off in micro-batches) and put them back in `on_*_end`, which
-Keras does not call when the call raises. The model puts them back itself
-when a call ends, however it ends (`kept`), so that a `fit` that raised does
-not leave a policy behind for the next `fit` without the callback.
+Callbacks change run-time settings for a call (`OOMBackoff`: `oom_policy`, XLA) and put them
+back in `on_*_end`, which Keras skips when the call raises: `kept` puts them back however the
+call ends.
 """
 
 from __future__ import annotations

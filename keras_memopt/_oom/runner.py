@@ -1,12 +1,8 @@
 """The step runner: `model.<kind>_function` of an `AccumulatingModel`.
 
-Keras's `fit`, `evaluate` and `predict` call `model.train_function(iterator)`
-(and the test and predict ones) once per step. For an `AccumulatingModel`
-that function is a `StepRunner`. It pulls the batch from the iterator itself
-(so the first step is prepared from the batch it trains on, and a failed
-attempt can run again on the same batch) and runs the model's step on it:
-as it is, or, with an out-of-memory policy attached (`OOMBackoff`, or
-`micro_batch_size="auto"`), through the retry loop (`keras_memopt._oom.retries`).
+A `StepRunner` pulls the batch from the iterator itself (so that a failed attempt can run
+again on the same batch) and runs the step on it, through the retry loop (`_oom.retries`)
+where an out-of-memory policy is attached.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The training process's side of `keras-memopt run` (`keras_memopt.supervise`).
 
-The process reads its cap on the micro-batch size from `CAP_VARIABLE` and
-writes the size it is using to the file named by `STATE_VARIABLE`, each time
-it changes, so that a supervisor that sees it crash knows what to restart with.
+It reads its cap from `CAP_VARIABLE` and writes the size in use to `STATE_VARIABLE`'s file.
 """
 
 from __future__ import annotations

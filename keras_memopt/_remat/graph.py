@@ -1,9 +1,7 @@
 """A functional model's layer graph and the points where it can be cut.
 
-Recomputed segments (`keras_memopt.remat`) and segments on several devices
-(`keras_memopt.placement`) cut a functional model at the same kind of point:
-a layer whose single output every path from the inputs to the outputs passes
-through. `Graph` finds them; `named_cuts` checks the layers a user names.
+Recomputed and placed segments cut at a layer whose single output every path from the inputs
+to the outputs passes through: `Graph` finds them, `named_cuts` checks the layers named.
 """
 
 from __future__ import annotations

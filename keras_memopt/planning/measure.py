@@ -1,10 +1,7 @@
 """Measuring real train steps: in this process, or in a fresh one per size.
 
-`measure_step` trains a fresh copy of a model for a few steps and reads the
-allocator's peak. `measure_isolated` does that in a child process (through
-`keras_memopt._subprocess`), where nothing trained before: the child rebuilds
-the model from `model.to_json()` with the parent's threading and precision
-policy (`measure_in_child`).
+`measure_isolated` runs `measure_step` in a child process where nothing trained before, the
+model rebuilt from `model.to_json()` with the parent's threading and precision policy.
 """
 
 from __future__ import annotations
@@ -74,14 +71,9 @@ def synthetic_batch(model, size):
 def measure_step(source, optimizer, batch, micro, device) -> int | None:
     """Allocator peak of train steps of a fresh training copy of `source`, with headroom.
 
-    Bytes over what was in use before the copy was made, so the copy's
-    parameters and optimizer slots count: the highest peak of `STEPS` steps
-    after a tracing step, plus the margin `micro_batch_size="auto"` keeps
-    (how far it rose above the median step peak,
-    `keras_memopt._oom.auto_search.headroom`); None if it ran out of memory.
-
-    Raises:
-        RuntimeError: if `device` gives no allocator figures.
+    Bytes over what was in use before the copy was made: the highest peak of
+    `STEPS` steps after a tracing step, plus `headroom`'s margin; None if it
+    ran out of memory. `RuntimeError` if `device` gives no allocator figures.
     """
     from keras_memopt._oom.errors import is_oom
 
@@ -132,15 +124,8 @@ def _memory_in_use(device):
 
 
 def measure_isolated(model, optimizer, batch, micro, device) -> int | None:
-    """`measure_step` in a fresh process (see `measure_in_child`).
-
-    Returns the peak in bytes, or None if it ran out of memory.
-
-    Raises:
-        CannotIsolate: where the model cannot be rebuilt in a fresh process
-            (it cannot be written as JSON, or the child cannot load it).
-        keras_memopt._subprocess.ChildFailed: if the child fails otherwise.
-    """
+    """`measure_step` in a fresh process: the peak in bytes or None; `CannotIsolate` where the
+    model cannot be rebuilt there, `ChildFailed` if the child fails otherwise."""
     try:
         spec = dict(
             model=model.to_json(),
@@ -172,11 +157,8 @@ def measure_isolated(model, optimizer, batch, micro, device) -> int | None:
 
 
 def measure_in_child(spec):
-    """The child's side of `measure_isolated`: `{"peak": bytes or None}`.
-
-    Or `{"unloadable": reason}` where the architecture cannot be rebuilt here
-    (a custom layer this process cannot import, say).
-    """
+    """The child's side of `measure_isolated`: `{"peak": bytes or None}`, or
+    `{"unloadable": reason}` where the model cannot be rebuilt here."""
     # Before TensorFlow runs anything: the parent's threading, which changes
     # how much working memory overlaps.
     tf.config.threading.set_inter_op_parallelism_threads(spec["inter_op_threads"])

@@ -1,11 +1,7 @@
 """Measuring recomputation settings: `MemoryPlanner.compare_remat`.
 
-`remat="auto"` chooses its segments from estimated peaks
-(`keras_memopt._remat.choice`). Where candidates are close, what the
-estimate cannot see decides: independent ops running side by side, the
-allocator's rounding, kernels' working memory. `compare` measures the
-shortlist, each in a fresh process where it can (as `MemoryPlanner.profile`
-does), and orders it by the measured peak.
+Where `remat="auto"`'s estimated candidates are close, what the estimate cannot see decides:
+`compare` measures the shortlist, as `MemoryPlanner.profile` does, and orders it.
 """
 
 from __future__ import annotations
