@@ -1,23 +1,10 @@
 """Layer state that plain Keras advances once per batch, kept so over micro-batches.
 
-Some layers change variables in every training call; a step of micro-batches
-would advance them once per micro-batch. Two kinds are kept to one advance per
-update:
-
-- restarted: what a call sets whatever the batch: tfmot's pruning wrappers'
-  `pruning_step` (`counters`), which counts updates, and `SpectralNormalization`'s
-  kernel, which it divides by its spectral norm in place, and `vector_u`. Every
-  micro-batch starts from the step's values, so the step ends where one call
-  on the whole batch ends, and each micro-batch's gradient is taken at the
-  kernel the whole batch's is.
-- ranges: quantization-aware training's `<name>_min` and `<name>_max`
-  variables (a moving average of each batch's minimum and maximum, the
-  weights' own, or the lowest and highest seen). Every micro-batch starts
-  from the step's values, and the step ends with the lowest minimum and the
-  highest maximum the micro-batches left. Each range's update is monotonic in
-  the batch's extreme, so these are the values the whole batch's minimum and
-  maximum give, to the bit. What a micro-batch's forward pass quantizes with
-  is its own update of the ranges (plain QAT: the whole batch's).
+Every micro-batch starts from the step's values of what a call sets whatever the batch
+(tfmot's `pruning_step`, `SpectralNormalization`'s kernel and `vector_u`) and of QAT's ranges;
+the step ends with the lowest minimum and highest maximum the micro-batches left, which (each
+range's update being monotonic in the batch's extreme) are the whole batch's, to the bit.
+See docs/pruning.md.
 """
 
 from __future__ import annotations
@@ -40,10 +27,8 @@ def normalizing_sublayer(layer):
 
 
 def call_assigned_weights(model) -> list:
-    """The weights that layers of `model` assign in every training call, whatever the
-    batch: a `SpectralNormalization`'s kernel (divided in place by its spectral norm)
-    and the `vector_u` of its power iteration. A second call in one step divides
-    the kernel again, by the norm of a kernel already divided."""
+    """The weights layers of `model` assign in every training call: a `SpectralNormalization`'s
+    kernel (divided in place by its norm) and `vector_u`."""
     found = []
     for layer in _layers(model):
         if isinstance(layer, _SPECTRAL) and layer.built:
@@ -86,10 +71,8 @@ class PerUpdate:
     `tf.control_dependencies(restart(starts))` and `extremes()` among its
     outputs, summed with `reductions()`; `finish(extremes)` after the loop.
 
-    Raises:
-        NotImplementedError: for any of them under a distribution strategy:
-            tfmot's layers synchronise the replicas (`merge_call`) in every
-            training call, which TensorFlow does not allow inside the loop.
+    Raises `NotImplementedError` for tfmot's layers under a strategy (their
+    `merge_call` is not allowed inside the loop).
     """
 
     def __init__(self, model):

@@ -1,20 +1,9 @@
 """Putting a failed step back: the state it may have changed, and copies to restore it from.
 
-A training step of `AccumulatingModel` changes its state in two phases:
-
-1. the micro-batch loop: BatchNormalization statistics, random seed states,
-   metrics, step and pruning counters (`loop_variables`, with the optimizer's
-   scalars): small;
-2. the optimizer update, which starts only once every micro-batch has run
-   (on every replica): the weights and the optimizer's variables
-   (`update_variables`): as large as the model, twice or three times over.
-
-An out-of-memory error in the loop changes nothing of the second kind, so
-the copy a retry needs is of the first kind only (`Snapshot`, on the
-device). Keeping the second kind on the device would cost their size again
-at the update (a variable rewritten while a tensor still holds its old
-buffer is copied first); where they must be kept, they are copied to host
-memory (`HostCopy`).
+The micro-batch loop changes small state (`loop_variables`: kept on the device, `Snapshot`);
+the update, which starts once every micro-batch has run, the weights and optimizer variables
+(`update_variables`): kept on the device they would cost their size again at the update, so
+where they must be kept they go to host memory (`HostCopy`). See docs/oom-backoff.md.
 """
 
 from __future__ import annotations
@@ -49,13 +38,8 @@ def update_variables(model) -> list:
 
 
 def state_variables(model) -> list:
-    """Every variable a train, test or predict step of `model` may change.
-
-    Weights (trainable and not: BatchNormalization statistics, Keras 3 seed
-    generator states), optimizer variables (iterations, slots, loss scale),
-    metric variables, tf_keras's step counters and Keras 3's global seed
-    generator; each once.
-    """
+    """Every variable a step of `model` may change, each once: weights, optimizer, metric
+    variables, step counters, the global seed generator."""
     return _unique([
         model.variables,
         update_variables(model),
@@ -70,10 +54,8 @@ def loop_variables(model) -> list:
     but the update's, whose scalars excepted, and the weights a forward pass assigns
     (`SpectralNormalization`'s kernel).
 
-    Under a strategy, a replica's update waits for every replica's gradients,
-    but an optimizer may change a scalar of its own before that on one replica
-    (Keras 3's Nadam its momentum product), while another replica is still in
-    its micro-batches and runs out of memory there.
+    (An optimizer may change a scalar before the update waits for the other
+    replicas: Keras 3's Nadam its momentum product.)
     """
     updated = {id(v) for v in update_variables(model) if tuple(v.shape) != ()}
     updated -= {id(v) for v in _per_update.call_assigned_weights(model)}  # assigned in the loop
@@ -83,14 +65,9 @@ def loop_variables(model) -> list:
 class Snapshot:
     """Takes and puts back the values of a list of variables, on the device.
 
-    Taking costs no copy: TensorFlow tensors are immutable, so the values
-    read stay valid while the step updates the variables. A variable
-    rewritten while a snapshot holds it is copied by the update, so a
-    snapshot is for variables that are small or left unchanged.
-
-    Putting back assigns each variable eagerly: it runs only after a failed
-    step, where tracing a function of every assignment would cost more than
-    the assignments themselves (about a second on a small MLP).
+    Taking copies nothing (tensors are immutable), but a variable rewritten
+    while held is copied by the update: for small or unchanged variables.
+    Putting back is eager (tracing it cost about a second on a small MLP).
 
     Args:
         variables: a function returning the variables (called at each `take`,
@@ -121,11 +98,7 @@ class Snapshot:
 
 
 class HostCopy:
-    """The values of variables copied to host memory (NumPy arrays), and put back.
-
-    Costs host memory and one device-to-host copy of the variables; none on
-    the device.
-    """
+    """The values of variables copied to host memory (NumPy arrays), and put back."""
 
     def __init__(self, variables, strategy):
         self.variables = distribute.local_variables(variables, strategy)
@@ -137,11 +110,8 @@ class HostCopy:
 
 
 class MadeVariables:
-    """The variables made inside `recording()`, put back to their values when made.
-
-    For a step run once eagerly and undone: it may make variables (a tf_keras
-    optimizer builds its slots at its first update) and then change them.
-    """
+    """The variables made inside `recording()` (a tf_keras optimizer's slots), put back to
+    their values when made: for a step run once eagerly and undone."""
 
     def __init__(self):
         self._made = []
