@@ -1,13 +1,8 @@
 """The micro-batch setting of an `AccumulatingModel`: one source of truth, read at run time.
 
-`MicroBatchSetting` holds what the user set (`micro_batch_size` or
-`accumulation_steps`, validated once, here) and mirrors it in variables that
-the traced step reads, so that changing it (by hand, from a callback, by
-`OOMBackoff`) retraces nothing. The model's properties delegate to it.
-
-A process started by `keras-memopt run` after a crash also has a cap on the
-micro-batch size (`cap`, from `keras_memopt._oom.supervised`): it bounds
-whatever the setting gives, and leaves the setting itself as the user made it.
+What the user set, validated once, mirrored in variables the traced step reads (changing it
+retraces nothing). `cap` (`keras-memopt run` after a crash) bounds what the setting gives and
+leaves the setting as the user made it.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ class MicroBatchSetting:
         accumulation_steps: int or None; at most one of the two is set.
         cap: int or None, the largest micro-batch size this process may use.
 
-    Raises:
-        ValueError: for a setting `micro_batch_split` refuses, or a tuple of
-            sizes that does not give one per replica.
+    Raises `ValueError` for a setting `micro_batch_split` refuses, or a tuple
+    of sizes that does not give one per replica.
     """
 
     def __init__(
@@ -76,10 +70,8 @@ class MicroBatchSetting:
             self._steps.assign(self.accumulation_steps or 1)
 
     def in_use(self, batch_size: int | None):
-        """The micro-batch size a step on `batch_size` samples runs with (None: unknown).
-
-        A tuple, one per replica, when the sizes were given per replica.
-        """
+        """The micro-batch size a step on `batch_size` samples runs with (None: unknown; a
+        tuple where the sizes were given per replica)."""
         size = self.micro_batch_size
         if isinstance(size, tuple):
             return tuple(self._capped(s) for s in size)

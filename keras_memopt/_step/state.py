@@ -1,9 +1,7 @@
 """An `AccumulatingModel`'s run-time state: what its steps read as they run.
 
-One object, owned by the model (`model._run`) and handed to its step runners,
-instead of private attributes that the model's parts read from each other.
-Keras does not track it: its variables (the setting's, the guard's) are not
-the model's weights and are not saved.
+Owned by the model (`model._run`) and handed to its step runners; not tracked by Keras (its
+variables are not the model's weights and are not saved).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The optimizer update of a step: after the loop, one variable after another.
 
-Two measures keep the update from costing more memory than plain Keras's:
-
-- **After the loop** (`after_the_loop`): every op of the update waits
-  for every summed gradient. Otherwise TensorFlow runs the update's ops that
-  need no gradient (SGD's `momentum * m`, the `iterations` counter) as soon as
-  it can, during the micro-batch loop, where their results take memory and
-  where a failure would leave them done.
-- **One variable after another** (`chain_updates`): Keras's optimizers
-  update every variable as a separate set of ops, and TensorFlow runs them
-  side by side, each holding temporaries the size of its variable. Chained,
-  the update holds the temporaries of one variable at a time.
-
-The step's run-time state holds a guard (`RunState.guard`) that the update's ops
-wait for: it marks the update as begun, and where an out-of-memory policy is
-attached it checks or reserves the update's memory first
-(`keras_memopt._oom.update_guard`).
+After the loop (`after_the_loop`): else TensorFlow runs the update's ops that need no gradient
+(SGD's `momentum * m`, `iterations`) during the loop, where they take memory and a failure
+leaves them done. One variable after another (`chain_updates`): else the variables' updates run
+side by side, each holding temporaries its size. The ops also wait for `RunState.guard`.
 """
 
 from __future__ import annotations
@@ -31,16 +19,12 @@ from keras_memopt._step import loop as _loop
 def chain_updates(optimizer, place_on_variable_device: bool = False):
     """Makes `optimizer` update its variables one after another in a traced step.
 
-    Each variable's update (Keras's `update_step`) waits for the previous
-    variable's on the same device; with `place_on_variable_device`, it also
-    runs on its variable's device (see `keras_memopt.placement`). A sparse
-    gradient reaches `update_step` with each row once (`_loop.sum_rows`):
-    the loop sums a replica's rows, but the all-reduce across replicas
-    concatenates the replicas' rows again, and Keras 3's optimizers would
-    apply a repeated row slice by slice (tf_keras's get them summed after
-    its all-reduce, before it clips them). Optimizers without `update_step`
-    (tf_keras's legacy ones, which sum rows themselves) are left as they are.
-    Idempotent.
+    Each variable's `update_step` waits for the previous one's on its device
+    (and with `place_on_variable_device` runs there). A sparse gradient
+    reaches it with each row once (`_loop.sum_rows`: the all-reduce
+    concatenates the replicas' rows, which Keras 3 would apply slice by
+    slice). Optimizers without `update_step` (tf_keras's legacy ones) are
+    left as they are. Idempotent.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a loss-scale optimizer's
     update_step = getattr(inner, "update_step", None)
