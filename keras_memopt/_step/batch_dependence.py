@@ -1,21 +1,10 @@
 """Layers whose outputs depend on which samples share a batch: warned about at the first step.
 
-A micro-batch is a batch of its own to every layer. Where a layer's output
-follows the batch it sees, beyond each sample's own values, the micro-batches
-see other values than the whole batch would: BatchNormalization's statistics
-(ghost batch norm, see docs/accumulation.md), and layers whose output *shape*
-follows the batch, such as `TextVectorization(output_sequence_length=None)`,
-which pads each call to its longest text. Each micro-batch is then padded to
-its own longest text, and without a mask the padding counts (in an average
-pooling, say): the update differs from plain Keras's at the whole batch.
-
-`warn(model, x)` names such layers where it can recognise them: a
-`TextVectorization` that pads to the batch, and any output (of any layer of a
-functional model) whose shape differs between the batch's first sample and
-its first two, where the shape is not known before.
-
-`refuse_stateful(model)` refuses a stateful recurrent layer, which keeps one
-state per row of a fixed batch and cannot run on part of it.
+A micro-batch is a batch of its own to every layer: BatchNormalization's statistics, or a
+`TextVectorization` that pads each call to its longest text, follow it (docs/accumulation.md).
+`warn` names what it can recognise: such a `TextVectorization`, and any output whose shape
+differs between the batch's first sample and its first two. `refuse_stateful` refuses a
+stateful recurrent layer (one state per row of a fixed batch).
 """
 
 from __future__ import annotations
@@ -41,12 +30,8 @@ def _padding_to_the_batch(model) -> list[str]:
 
 
 def _probe(model):
-    """`(names, function)`: what to compare and a model giving it, or `([], None)`.
-
-    A functional model's layer outputs whose shape beyond the batch is not
-    known, as a model of its own over the same layers; a subclassed model's
-    outputs.
-    """
+    """`(names, function)`: the outputs to compare (a functional model's layer outputs of
+    unknown shape, or a subclassed model's) and a model giving them; or `([], None)`."""
     if not isinstance(model, _keras.Functional):
         return ["its output"], model
     names, tensors = [], []
@@ -68,12 +53,8 @@ def _shapes(model, function, x) -> list:
 
 
 def warn(model, x):
-    """Warns when `model`'s outputs follow the samples that share a batch.
-
-    Runs the model in inference mode on the batch's first sample and first
-    two, where an output's shape could differ; the caller puts back what
-    that changes.
-    """
+    """Warns when `model`'s outputs follow the samples that share a batch (run in inference
+    mode on the first sample and the first two; the caller puts back what that changes)."""
     reasons = [
         f"layer {name!r} is a TextVectorization that pads each call to its longest text "
         "(output_sequence_length=None)"
@@ -100,13 +81,8 @@ def warn(model, x):
 
 
 def refuse_stateful(model):
-    """Raises where `model` has a recurrent layer with `stateful=True`.
-
-    Such a layer keeps one state per row of the fixed batch it was built for
-    and carries it to the same row of the next batch; a micro-batch is part
-    of that batch (and `OOMBackoff` changes its size), so no split of the
-    batch runs it as plain Keras does.
-    """
+    """Raises where `model` has a recurrent layer with `stateful=True`: its state per row of
+    a fixed batch cannot run on part of it."""
     names = [
         layer.name for layer in _keras.sublayers(model, include_self=False)
         if isinstance(layer, _keras.keras.layers.RNN) and getattr(layer, "stateful", False)
