@@ -1,30 +1,16 @@
 """The micro-batch loop: a batch run as micro-batches, one after another.
 
-`accumulate(fn, data, size)` runs `fn` on each micro-batch of `data` and adds
-up what it returns: dense tensors are summed (in float32 where they are
-narrower, in their own dtype otherwise: float64 stays float64),
-`tf.IndexedSlices` (an Embedding's gradient) are summed per row as they come
-(`sum_rows`), so the result is the whole batch's gradient with each row once,
-as sparse as the rows the batch touched, and `None` stays `None`.
+`accumulate(fn, data, size)` runs `fn` on each micro-batch and adds up what it returns: dense
+tensors in float32 where narrower (float64 stays float64); `tf.IndexedSlices` per row as they
+come (`sum_rows`: Keras 3's optimizers would apply a repeated row slice by slice, Σg² instead of
+(Σg)² in Adam; docs/accumulation.md, "Sparse gradients"); None stays None.
 
-Why per row: Keras 3's optimizers apply an `IndexedSlices` gradient slice by
-slice, so a row that appears k times has each part squared on its own by
-Adam, RMSprop, Adagrad and the like (Σg² instead of (Σg)²), and the update
-differs from the dense gradient's, the whole batch's mathematical gradient.
-tf_keras summed the rows first (`_deduplicate_sparse_grad`); so does the loop.
-
-How the loop is built, and why:
-
-- `fn` is traced once for any micro-batch (the batch axis unknown) before
-  the loop is built, so that the loop's accumulators can take the form of
-  `fn`'s outputs (dense, sparse, None).
-- The first micro-batch's outputs start the sums: there is no
-  `tf.zeros(variable.shape)` for the graph optimiser to fold into a
-  model-sized constant that lives as long as the step function.
-- The loop runs with `parallel_iterations=1`, so TensorFlow cannot run two
-  micro-batches side by side and keep both one's activations alive.
-- The micro-batch size is a tensor read at run time (see
-  `keras_memopt._step.setting`): changing it retraces nothing.
+- `fn` is traced once for any micro-batch before the loop is built, so that the accumulators
+  take the form of its outputs.
+- The first micro-batch's outputs start the sums: no `tf.zeros(variable.shape)` for the
+  optimiser to fold into a model-sized constant that lives as long as the step function.
+- `parallel_iterations=1`: two micro-batches' activations are never alive side by side.
+- The micro-batch size is a tensor read at run time: changing it retraces nothing.
 """
 
 from __future__ import annotations
@@ -77,11 +63,8 @@ def batch_size_of(data):
 
 
 def check_splittable(data, name="data"):
-    """Refuses, naming it, a batched value that cannot be split into rows.
-
-    Dense, ragged (`tf.RaggedTensor`) and sparse (`tf.SparseTensor`) tensors
-    split along their first axis; other composite tensors do not.
-    """
+    """Refuses, naming it, a batched value that cannot be split into rows (a composite tensor
+    but ragged and sparse)."""
     for path, leaf in _leaves_with_paths(data, name):
         composite = isinstance(leaf, tf.__internal__.CompositeTensor)
         if composite and not isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
@@ -130,7 +113,7 @@ def micro_slice(data, start, size):
 
 
 def _micro_spec(t):
-    """The type spec of a micro-batch of `t`: the batch axis unknown."""
+    """The type spec of a micro-batch of `t` (a leaf of `data`): the batch axis unknown."""
     if t is None:
         return None
     shape = [None, *t.shape[1:]]
@@ -141,20 +124,13 @@ def _micro_spec(t):
     return tf.TensorSpec(shape, t.dtype)
 
 
-def _spec(data):
-    """The type specs of a micro-batch of `data`: the batch axis unknown."""
-    return tf.nest.map_structure(_micro_spec, data)
-
-
 def micro_function(fn, data, *args, jit_compile=False):
     """`fn` ready for the loop, and the structure of its outputs.
 
-    Returns `(function, outputs)`: `outputs` are `fn`'s outputs traced once
-    for any micro-batch of `data` (`tf.TensorSpec`s, `tf.IndexedSlicesSpec`s,
-    None), known before any micro-batch runs. Without XLA, `function` is
-    `fn` itself, traced again inside the loop: a nested `tf.function` call
-    there keeps more memory alive (measured: +40% peak at two micro-batches).
-    With XLA it is the compiled `tf.function`.
+    Returns `(function, outputs)`: `outputs` the specs of `fn`'s outputs,
+    traced once for any micro-batch. Without XLA, `function` is `fn` itself
+    (a nested `tf.function` call in the loop measured +40% peak at two
+    micro-batches); with XLA, the compiled `tf.function`.
     """
     function = _autograph.function(fn, jit_compile=jit_compile)
     # Any length of the extra arguments (per-output counts, say) fits the trace.
@@ -165,7 +141,9 @@ def micro_function(fn, data, *args, jit_compile=False):
         # The loop traces `fn` again: Keras's warnings (an input structure
         # that differs from the model's, say) are said there, once.
         warnings.simplefilter("ignore")
-        concrete = function.get_concrete_function(_spec(data), *arg_specs)
+        concrete = function.get_concrete_function(
+            tf.nest.map_structure(_micro_spec, data), *arg_specs
+        )
     outputs = tf.nest.map_structure(
         lambda t: None if t is None else tf.type_spec_from_value(t),
         concrete.structured_outputs,
@@ -174,11 +152,8 @@ def micro_function(fn, data, *args, jit_compile=False):
 
 
 def sum_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
-    """`slices` with each row once, its slices summed: the same dense gradient.
-
-    Runs outside any XLA-compiled function (`tf.unique` has no XLA kernel):
-    after the loop, whose micro-batch functions alone are compiled.
-    """
+    """`slices` with each row once, its slices summed: the same dense gradient. Outside any
+    XLA-compiled function (`tf.unique` has no XLA kernel)."""
     with tf.name_scope(GRADIENT_SUM_SCOPE):
         rows, positions = tf.unique(slices.indices)
         values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(rows)[0])
@@ -189,13 +164,8 @@ _FOLDS = {"sum": tf.add, "min": tf.minimum, "max": tf.maximum}
 
 
 class _RunningSum:
-    """The running sum (or minimum, or maximum) of one output of `fn`, as loop variables.
-
-    Dense sums start from the first micro-batch's value (no zeros to fill).
-    `tf.IndexedSlices` are summed per row as they come (`sum_rows` of the
-    rows so far and the micro-batch's), so the sum holds each row once: at
-    most the variable's size, not every micro-batch's rows.
-    """
+    """The running sum (or minimum, or maximum) of one output of `fn`, as loop variables; a
+    sparse sum holds each row once (at most the variable's size)."""
 
     def __init__(self, spec, reduction="sum"):
         self.spec = spec
@@ -235,27 +205,17 @@ class _RunningSum:
 
 
 def gradient_folds(variables) -> list:
-    """How each variable's gradient folds over the micro-batches, for `accumulate`'s
-    `reductions`: summed, but the maximum for a variable the optimizer overwrites
-    with its "gradient" (`overwrite_with_gradient`: the scales and amax histories
-    of Keras 3's float8 training, which each micro-batch computes from the same
-    old value and its own samples' largest magnitude; their maximum is the whole
-    batch's)."""
+    """`accumulate`'s `reductions` for variables' gradients: summed, but the maximum for one
+    the optimizer overwrites with its "gradient" (Keras 3's float8 scales and amax histories,
+    from the same old value and each micro-batch's largest magnitude)."""
     return ["max" if overwritten(v) else "sum" for v in variables]
 
 
 def every_replica(tensors) -> list:
-    """The control inputs that hold an op back until every replica has computed its
-    `tensors` (a nest): an all-reduce of one number that waits for them; none with
-    one replica.
-
-    Keras's optimizer assigns a variable it overwrites with its "gradient" (Keras
-    3's float8 scales and amax histories) in each replica's context, before the
-    all-reduce of the other gradients. The update of a model with such variables
-    waits for its gradients through this (`update.after_the_loop`): without it a
-    replica assigned them while another replica's loop still ran, and an
-    out-of-memory error there left them assigned for the retry.
-    """
+    """Control inputs that hold an op back until every replica has computed `tensors` (an
+    all-reduce of one number); none with one replica. Keras assigns the overwritten variables
+    in each replica's context: without this, one replica assigned them while another's loop
+    still ran, and an out-of-memory error there left them assigned for the retry."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return []
@@ -287,9 +247,8 @@ def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
             (every output summed).
 
     Returns:
-        `fn`'s outputs summed (or folded by `reductions`) over the
-        micro-batches (see the module docstring), in `fn`'s structure and
-        dtypes.
+        `fn`'s outputs summed (or folded by `reductions`), in its structure
+        and dtypes.
     """
     function, specs = micro_function(fn, data, *args, jit_compile=jit_compile)
     batch_size = batch_size_of(data)
