@@ -1,39 +1,16 @@
 """Each micro-batch's exact fraction of the batch's loss, and the loss of a whole batch.
 
-Keras divides a loss by a count of the batch: its samples (the default
-`"sum_over_batch_size"` reduction), or, when the model's output carries a mask
-(`Embedding(mask_zero=True)`, `Masking`) or the loss ignores a class
-(`SparseCategoricalCrossentropy(ignore_class=...)`), the elements left
-(unmasked and not ignored). Run on a micro-batch, the same loss is divided by
-the micro-batch's own count, so its fraction of the batch's loss is its count
-over the batch's:
+Keras divides a loss by a count of the batch (samples, or the elements a mask or an
+`ignore_class` leaves), so a micro-batch's fraction is its count over the batch's: `n_i / N`,
+`valid_i / valid` (counted before the loop), `1` for a loss that sums over the batch; a term of
+`model.losses` `n_i / N`, or `1` where it sums over the samples (docs/accumulation.md, "The
+semantics"). The fractions enter Keras's own loss computation as scalar sample weights, so
+masks, weights, `loss_weights` and distribution scaling stay Keras's.
 
-- an output without a mask or an ignored class: `n_i / N` (samples);
-- otherwise: `valid_i / valid` (elements left; the batch's `valid` is counted
-  before the loop, by `AccumulatingModel`);
-- an output whose loss sums over the batch (`reduction="sum"`, divided by
-  nothing; masks and ignored classes only drop elements): `1`;
-- a term of `model.losses` (`add_loss`, activity and weight regularisers):
-  `n_i / N` when it averages over samples or does not depend on them, and `1`
-  when it sums over them (the micro-batches' sums add up to the batch's).
-
-The fractions enter Keras's own loss computation as sample weights (scalars, so
-they broadcast onto any loss shape), so losses, masks, class and sample
-weights, `loss_weights` and distribution scaling stay Keras's. What each term
-does with the samples, and which class each output's loss ignores, is found
-once, at the first step (`keras_memopt._step.probe`).
-
-Keras 3 updates each per-output loss tracker with the batch's *static* first
-dimension, unknown inside the loop (so each micro-batch counts as one; run
-eagerly, where it is known, `_one_update_each` makes it one); the
-trackers are set after the loop to what one update with the whole batch gives
-(`OutputLossTrackers`). tf_keras weights them by the dynamic micro-batch size, so
-there its micro-batch losses are expressed per sample of the micro-batch and
-the step weights their total by `n_i / N` instead.
-
-With `whole_batch_loss=True` the loss of the outputs is evaluated once, on
-the whole batch's outputs (`LossSplit.whole_batch_loss`), and only the terms
-of `model.losses` are split.
+Keras 3 updates each per-output loss tracker with the batch's *static* size, unknown inside the
+loop (each micro-batch counts as one; eagerly `_one_update_each` makes it so): the trackers are
+set after the loop (`OutputLossTrackers`). tf_keras weights them by the dynamic size, so there
+micro-batch losses are per sample of the micro-batch, their total weighted by `n_i / N`.
 """
 
 from __future__ import annotations
@@ -85,11 +62,8 @@ def has_compiled_loss(model) -> bool:
 
 
 def output_losses(model, y=None) -> list:
-    """Each flat output's compiled loss (None where it has none).
-
-    A dict of losses is matched to the outputs by name: the targets' keys
-    where they are a dict (a subclassed model names its outputs nowhere else).
-    """
+    """Each flat output's compiled loss (None where it has none); a dict of losses matched by
+    name (the targets' keys where they are a dict: a subclassed model names them nowhere else)."""
     outputs = y if isinstance(y, dict) else None
     if outputs is None and isinstance(model, _keras.Functional):
         outputs = _keras.nested_inputs_outputs(model)[1]
@@ -157,12 +131,8 @@ def check_reduction(loss, whole_batch_loss):
 
 
 class LossSplit:
-    """How `model`'s loss splits over micro-batches.
-
-    `form` (a `LossForm`) is found by `keras_memopt._step.probe.loss.loss_form` at the
-    first step: the kind of each term of `model.losses`, and the class each
-    output's loss ignores.
-    """
+    """How `model`'s loss splits over micro-batches; `form` (a `LossForm`) is found at the first
+    step (`probe.loss.loss_form`)."""
 
     def __init__(self, model):
         self.model = model
@@ -188,13 +158,9 @@ class LossSplit:
         return masks
 
     def batch_counts(self, forward, data, size, jit_compile=False):
-        """What Keras divides each output's loss by, over the whole batch (0: samples).
-
-        As `form.counted_by` says: nothing to count (Keras counts samples);
-        from the whole batch's targets at once when only an ignored class
-        counts; run micro-batch by micro-batch before the loop, with
-        `forward` in inference mode, when an output carries a mask.
-        """
+        """What Keras divides each output's loss by over the whole batch (0: samples), as
+        `form.counted_by` says: from the targets, or micro-batch by micro-batch with `forward`
+        in inference mode where an output carries a mask."""
         counted_by = (self.form or LossForm()).counted_by
         if counted_by is None:
             return no_counts()
@@ -209,11 +175,8 @@ class LossSplit:
         return _loop.accumulate(count, data, size, jit_compile=jit_compile)
 
     def micro_batch_loss(self, x, y, y_pred, sample_weight, batch_size, valid, training):
-        """The micro-batch's contribution to the batch's loss (what its gradient is taken of).
-
-        `batch_size` is the batch's number of samples and `valid` what Keras
-        divides each output's loss by over the batch (`batch_counts`).
-        """
+        """The micro-batch's part of the batch's loss (what its gradient is taken of); `valid`
+        is `batch_counts`'."""
         model = self.model
         fraction = _loop.fraction_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
         if overrides(model, "compute_loss") or not (has_compiled_loss(model) or model.losses):
@@ -251,12 +214,8 @@ class LossSplit:
             return _keras_losses.compiled_loss(self.model, y, y_pred, weights, [])
 
     def penalty(self, fraction) -> tf.Tensor:
-        """The terms of `model.losses` of the last call, each with its fraction, summed
-        (in the terms' `_dtypes.sum_dtype`; Keras's float type when there are none).
-
-        Not scaled for replicas: Keras scales it where it adds it
-        (`whole_batch_loss`, `_keras_losses.additional_loss`).
-        """
+        """The terms of `model.losses` of the last call, each with its fraction, summed (not
+        scaled for replicas: Keras scales it where it adds it)."""
         terms = [self._term(t, i, fraction, 1.0) for i, t in enumerate(self.model.losses)]
         if not terms:
             return tf.zeros([], _dtypes.sum_dtype(_keras.keras.backend.floatx()))
@@ -283,11 +242,9 @@ def _masked_fraction(mask, valid, index):
 
 
 def _output_fractions(masks, summed, valid, fraction, samples):
-    """What each flat output's loss of a micro-batch is weighted by, relative to
-    `fraction` (the micro-batch's samples over the batch's): `samples` where Keras
-    counts samples (the same for every output: `samples` itself, not a list),
-    its count's fraction where it counts elements (`valid`), and one where the
-    loss sums over the batch."""
+    """What each flat output's loss of a micro-batch is weighted by, relative to `fraction`:
+    `samples` where Keras counts samples (for every output: `samples` itself, not a list), its
+    count's fraction where it counts elements, one where the loss sums over the batch."""
     summed = summed or (False,) * len(masks)
     if not any(summed) and all(mask is None for mask in masks):
         return samples
@@ -305,13 +262,8 @@ def _output_fractions(masks, summed, valid, fraction, samples):
 
 
 def _output_weights(y_pred, sample_weight, fractions):
-    """Sample weights carrying each output's fraction: `fractions` is one fraction for all
-    outputs, or a list of one per flat output (None: the weight as it is).
-
-    `sample_weight` is what Keras hands the step: None, one tensor, or one per
-    output (a dict or list, as the user gave it; one tensor for several
-    outputs arrives as a tuple of that tensor).
-    """
+    """Sample weights carrying each output's fraction (`fractions`: one for all outputs, or
+    one per flat output, None leaving the weight as it is); `sample_weight` as Keras hands it."""
     if _loop.static_batch_size(y_pred) == 1:
         # Keras 3 squeezes the loss of a sample known to be alone (run eagerly)
         # with a scalar weight to a scalar, which its reduction then leaves
@@ -333,10 +285,8 @@ def _output_weights(y_pred, sample_weight, fractions):
 
 
 def _scaled(sample_weight, fraction):
-    """`sample_weight` times `fraction`, in the sample weight's float dtype or Keras's
-    float type, the wider (Keras casts the weights to the loss's type: float32
-    weights of a float64 model times a float32 fraction would round the fraction);
-    `fraction` alone where there is no weight."""
+    """`sample_weight` times `fraction` in the wider of its float dtype and Keras's (a float32
+    product would round a float64 model's fraction); `fraction` alone without a weight."""
     if fraction is None:
         return sample_weight
     if sample_weight is None:
@@ -348,15 +298,9 @@ def _scaled(sample_weight, fraction):
 
 
 class OutputLossTrackers:
-    """Sets the loss trackers that the loop updates once per micro-batch to one
-    update with the batch.
-
-    Take it (`OutputLossTrackers(model)`) before the loop and `apply(...)`
-    after: each tracker then holds what it held before plus the batch's loss
-    for that output, weighted as Keras weighs a whole batch. They are Keras 3's
-    per-output loss trackers, and tf_keras's reported loss where no output has
-    a loss (`_keras_losses.unweighted_loss_metric`).
-    """
+    """Sets the loss trackers the loop updates once per micro-batch (Keras 3's per output;
+    tf_keras's reported loss where no output has a loss) to one update with the batch: made
+    before the loop, `apply` after."""
 
     def __init__(self, model):
         self.trackers = _keras_losses.output_loss_trackers(model)
