@@ -1,17 +1,9 @@
 """What custom train steps use: `accumulate_gradients`, and the warning when one splits nothing.
 
-A model that overrides `train_step` computes its gradients with
-`self.accumulate_gradients(...)`, the micro-batch loop of the model's own step
-(`keras_memopt._step.loop`), per micro-batch or, with `forward`, for a loss over
-the whole batch's outputs (`keras_memopt._step.whole_batch`). A custom step that
-calls neither it nor `super().train_step` saves no memory, and is told so.
-
-Before the first step, a custom step runs once eagerly on the batch's first
-two samples, as far as its first `accumulate_gradients` call
-(`_check_custom_loss`): a `loss_fn` that is no mean of per-sample terms there
-(`keras_memopt._step.probe`: a contrastive loss, a Dice loss) is warned about
-once; one that draws random numbers (a GAN's noise) is not checked. What the
-run changed is put back.
+A custom step that calls neither `accumulate_gradients` nor `super().train_step` saves no
+memory, and is told so. Before the first step, one that does runs once eagerly on two samples
+as far as that call (`_check_custom_loss`, state put back): a `loss_fn` that is no mean of
+per-sample terms is warned about; one that draws random numbers is not checked.
 """
 
 from __future__ import annotations
@@ -33,11 +25,8 @@ _CHECKED_CUSTOM_LOSSES: set[type] = set()
 
 
 class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the step
-    """Ends the probe run of a custom step where it first splits its batch.
-
-    `seen`: the `loss_fn`'s values (a `keras_memopt._step.probe.Seen`), or None; `error`: the
-    model's own loss probe's refusal, raised once the probe's state is put back.
-    """
+    """Ends the probe run of a custom step where it first splits its batch: `seen`, the
+    `loss_fn`'s `Seen` or None; `error`, the own loss probe's refusal, raised once put back."""
 
     def __init__(self, seen, error=None):
         super().__init__()
@@ -84,14 +73,8 @@ class CustomSteps:
         return outputs
 
     def _check_custom_loss(self, data):
-        """Checks, once per class, the loss of a custom step's first split of its batch.
-
-        `super().train_step(data)`: the model's own loss check; the first
-        `accumulate_gradients(loss_fn, ...)`: a `loss_fn` that couples the
-        samples is warned about. The step runs eagerly as far as that call on
-        the batch's first two samples (the next two while the loss is zero on
-        both); what it changed is put back.
-        """
+        """Checks, once per class, the loss of a custom step's first split of its batch (the
+        own loss check, or a warning for a `loss_fn` that couples the samples)."""
         cls = type(self)
         if (
             cls in _CHECKED_CUSTOM_LOSSES
@@ -166,30 +149,14 @@ class CustomSteps:
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.
 
-        The building block of a custom `train_step`: it runs
-        `loss_fn(micro_batch)` over the micro-batches of `data` in the loop
-        `train_step` uses (one micro-batch's activations alive at a time),
-        weights each micro-batch's loss by its fraction of the batch (its number
-        of samples over the batch's), and returns the batch's loss and the
-        summed gradients for `variables`: what one `tf.GradientTape` over the
-        whole batch gives when `loss_fn` returns a mean over samples. Call it
-        as often as a step needs (a GAN's discriminator and generator).
-
-        `loss_fn` must return a mean over the micro-batch's samples: a loss
-        that couples the samples of a batch (a contrastive loss whose
-        negatives are the other rows) is not the sum of its micro-batches'
-        parts. For such a loss pass `forward`: then `forward(micro_batch)`
-        returns the micro-batch's outputs (a nest of tensors),
-        `loss_fn(outputs, data)` the loss of the whole batch's outputs,
-        concatenated, and the gradients are that loss's, exactly (each
-        micro-batch runs forward twice, the second time with the same random
-        numbers; see `whole_batch_loss` of `AccumulatingModel`).
-
-        Metrics that `loss_fn` updates see each micro-batch in turn, which is
-        the whole batch for metrics that accumulate over samples (`Mean`,
-        accuracy, AUC). With a loss-scale optimizer (`mixed_float16`), the
-        loss is scaled with `optimizer`'s scale: apply the gradients with that
-        optimizer, which unscales them (and skips a non-finite update).
+        Runs `loss_fn(micro_batch)` over the micro-batches of `data` in the
+        loop `train_step` uses, weights each loss by its fraction of the batch
+        and returns the batch's loss and the summed gradients: what one
+        `tf.GradientTape` over the whole batch gives when `loss_fn` returns a
+        mean over samples. Call it as often as a step needs. For a loss that
+        couples the samples pass `forward`. With a loss-scale optimizer, apply
+        the gradients with `optimizer`, which unscales them. See
+        docs/custom-train-steps.md.
 
         Args:
             loss_fn: a function of one micro-batch (a slice of `data`, same
@@ -199,14 +166,15 @@ class CustomSteps:
             variables: the variables to differentiate.
             optimizer: the optimizer that will apply the gradients, for loss
                 scaling. Defaults to the model's.
-            forward: a function of one micro-batch returning its outputs, for
-                a loss over the whole batch (see above). Defaults to None.
+            forward: a function of one micro-batch returning its outputs;
+                then `loss_fn(outputs, data)` is the loss of the whole batch's
+                outputs, concatenated, and the gradients are its, exactly.
+                Defaults to None.
 
         Returns:
             `(loss, gradients)`: the batch's loss (float32, or float64 for a
-            float64 loss) and one gradient
-            per variable (None where the loss does not depend on it;
-            `tf.IndexedSlices` for an Embedding's table).
+            float64 loss) and one gradient per variable (None where the loss
+            does not depend on it; `tf.IndexedSlices` for an Embedding's).
 
         Example:
 
