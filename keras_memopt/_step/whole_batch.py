@@ -1,27 +1,11 @@
 """`whole_batch_loss=True`: a loss of the whole batch's outputs, exact, in micro-batches.
 
-Accumulation adds up per-micro-batch losses, which is exact when the batch's
-loss is a mean of per-sample terms. A loss that couples the samples (a
-contrastive loss whose negatives are the batch's other rows, listwise
-ranking) is not; gradient caching (GradCache, sentence-transformers' cached
-losses) makes it exact in three steps, here around Keras's own loss:
-
-1. `forward`: every micro-batch runs forward without a tape; only its outputs
-   are kept (with the random state it started from and its `model.losses`
-   terms). Memory: the whole batch's outputs plus one micro-batch's
-   activations.
-2. `loss_and_output_gradients`: the loss runs once on the whole batch's
-   outputs, and gives its gradient with respect to them (float16 and bfloat16
-   outputs are cast to float32 first, so no loss scale is needed here; float32
-   and float64 ones stay as they are).
-3. `backward`: each micro-batch runs forward again under a tape, with the
-   random state of step 1 (the same dropout masks) and what it changes
-   (BatchNormalization's moving statistics, seed states) put back afterwards,
-   and back-propagates its rows of that gradient; the gradients add up in the
-   usual loop (`keras_memopt._step.loop.accumulate`).
-
-The cost is one more forward pass per micro-batch. The gradient is the
-whole batch's for any loss of the outputs.
+Gradient caching (GradCache) around Keras's own loss, in three steps (docs/whole-batch-loss.md):
+`outputs`, every micro-batch forward without a tape, keeping its outputs and the random state
+it started from; `loss_and_output_gradients`, the loss once on the whole batch's outputs (float16
+and bfloat16 cast to float32 first, so no loss scale is needed) and its gradient to them;
+`backward`, each micro-batch forward again under a tape with that random state, what it changes
+put back, back-propagating its rows of the gradient.
 """
 
 from __future__ import annotations
@@ -60,10 +44,9 @@ class WholeBatch:
             scalar added to the loss (the micro-batch's fraction of the
             `model.losses` terms; `tf.zeros([])` for none).
         jit_compile: whether each micro-batch's pass is compiled with XLA.
-        rerun: runs a function of no arguments, step 3's pass (a rerun of step
-            1's forward pass and its gradient), and returns its result: the
-            model's step passes one that leaves the layers' own metrics as
-            they were (`keras_memopt._step.layer_metrics`).
+        rerun: runs step 3's pass (a function of no arguments) and returns
+            its result; the model's step passes one that leaves the layers'
+            own metrics as they were.
     """
 
     def __init__(self, model, forward, jit_compile=False, rerun=None):
@@ -121,13 +104,10 @@ class WholeBatch:
     def loss_and_output_gradients(loss_fn, outputs, variables, optimizer):
         """Step 2: `(loss, output_gradients, direct_gradients)`.
 
-        `output_gradients` has one tensor per tensor of `_differentiated(outputs)`
-        (the loss's gradient with respect to it, unscaled; None for an output the
-        loss does not read, whose weights get no gradient from it, as in plain
-        Keras, rather than a zero one that Ftrl or a weight decay would act on);
-        `direct_gradients`, per variable, the gradient of what the loss reads of
-        the variables itself (None where nothing, the usual case), loss-scaled as
-        step 3's are.
+        `output_gradients`: one per tensor of `_differentiated(outputs)`, unscaled
+        (None for an output the loss does not read, as in plain Keras, not a zero
+        that Ftrl or a weight decay would act on); `direct_gradients`: per
+        variable, of what the loss reads of the variables itself, loss-scaled.
         """
         floats = _differentiated(outputs)
         # Named, so that an out-of-memory error here is told from a
@@ -175,12 +155,8 @@ class WholeBatch:
         )
 
     def gradients(self, loss_fn, data, size, variables, optimizer):
-        """The three steps: `(loss, gradients, outputs)`.
-
-        `loss_fn(outputs, penalty)` is the batch's loss of the concatenated
-        outputs, `penalty` the summed terms of step 1 (constant here: their
-        gradient comes from step 3).
-        """
+        """The three steps: `(loss, gradients, outputs)`; `loss_fn(outputs, penalty)` is the
+        batch's loss, `penalty` step 1's summed terms (their gradient comes from step 3)."""
         outputs, penalty, states = self.outputs(data, size)
         loss, output_gradients, direct = self.loss_and_output_gradients(
             lambda outputs: loss_fn(outputs, penalty), outputs, variables, optimizer
