@@ -1,23 +1,10 @@
 """Metrics that layers update as they run, weighted by each micro-batch's fraction.
 
-A layer may update a metric of its own in `call` (tf_keras's `add_metric`, a
-Keras 3 layer's `keras.metrics.Mean` attribute); `fit` logs it. Plain Keras
-runs the layer once per step on the whole batch; the micro-batch loop runs it
-once per micro-batch. At the first step the probe (`keras_memopt._step.probe`)
-tells, for each such `Mean`, from one forward pass on a few samples and one on
-the same samples repeated, how its updates add up (`weighted` then weighs each
-micro-batch's):
-
-- per element (its count grows with the samples: a per-sample tensor): the
-  micro-batches' updates are the batch's as they are;
-- a mean over samples (one value per call, the same when the samples repeat):
-  each micro-batch's update weighs by its fraction of the batch;
-- a sum over samples (one value per call, doubled): its value counts whole,
-  its count by the fraction.
-
-Anything else (a maximum) is logged as the mean of its micro-batches' values,
-with a warning. A forward pass that is not the step's own (the counts of a
-masked output's loss) leaves them as they were.
+A layer's own `Mean` (tf_keras's `add_metric`, a Keras 3 layer's `keras.metrics.Mean`) is
+updated once per micro-batch. The first step's probe tells how its updates add up: per element
+(as they are), a mean over samples (weighed by the fraction), a sum (value whole, count by the
+fraction); anything else is logged as the mean of its micro-batches' values, with a warning.
+See docs/accumulation.md.
 """
 
 from __future__ import annotations

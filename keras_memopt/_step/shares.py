@@ -1,12 +1,8 @@
 """Uneven replica shares: each replica of a MirroredStrategy takes its own part of a batch.
 
-`AccumulatingModel(..., replica_shares=[3, 1])` splits every batch among the
-replicas in proportion (a larger GPU takes more), and each replica splits its
-part into micro-batches. Keras hands every replica an even part; the step
-runner puts the parts back together and cuts them again (`split_by_shares`),
-and the loss shares are counted against the global batch
-(`effective_batch_size`), so the update is the one plain Keras computes on
-the whole batch.
+Keras hands every replica an even part; the parts are put back together and cut again
+(`split_by_shares`), and the loss fractions counted against the global batch
+(`effective_batch_size`), so the update is plain Keras's on the whole batch.
 """
 
 from __future__ import annotations
@@ -19,11 +15,8 @@ from keras_memopt import distribute, memory
 
 
 def share_sizes(batch_size: int, shares) -> list[int]:
-    """Samples per replica when a batch of `batch_size` is split by `shares`.
-
-    In proportion, rounded so that they add up to the batch; a replica's
-    part is never negative, and the earlier replicas get the remainder.
-    """
+    """Samples per replica when a batch of `batch_size` is split by `shares`: in proportion,
+    adding up to the batch, the earlier replicas getting the remainder."""
     total = sum(shares)
     sizes = [int(batch_size * share // total) for share in shares]
     for index in range(batch_size - sum(sizes)):
@@ -32,11 +25,8 @@ def share_sizes(batch_size: int, shares) -> list[int]:
 
 
 def split_by_shares(data, strategy, shares):
-    """A distributed batch, re-split so that replica r takes its share.
-
-    Keras hands each replica an even part; here the parts are put back
-    together in order (the global batch) and cut again by `shares`.
-    """
+    """A distributed batch, put back together in order and cut again so that replica r takes
+    its share."""
 
     def whole(value):
         if isinstance(value, tf.distribute.DistributedValues):
@@ -98,12 +88,9 @@ def resolve_shares(shares, strategy):
 
 
 def effective_batch_size(batch_size, shares):
-    """The replica batch size the loss shares are counted against.
-
-    With even parts, this replica's own; with `shares`, the global batch over
-    the number of replicas (Keras scales each replica's loss by one over the
-    number of replicas), so that uneven parts add up to the global mean.
-    """
+    """The replica batch size the loss fractions are counted against: this replica's own, or
+    with `shares` the global batch over the replicas (Keras scales each replica's loss by one
+    over their number), so that uneven parts add up to the global mean."""
     if shares is None:
         return batch_size
     context = tf.distribute.get_replica_context()

@@ -82,17 +82,9 @@ class MicroBatchSteps:
     # -- what every step does first ------------------------------------------------
 
     def _prepare_step(self, kind, data, builtin):
-        """Makes, from the first step's own batch, what it would make while traced.
-
-        Keras 3 builds the model, the compiled metrics and losses and the
-        optimizer from the batch's shapes (as Keras does under a distribution
-        strategy, but without taking a batch from the user's data), so that
-        the first step is traced once; a model with no `call()` of its own
-        (a GAN whose `train_step` calls its parts) is left to its step, as
-        Keras leaves it. The model's own steps also probe how their losses
-        split over micro-batches (`_probe_loss_split`), a custom step the loss
-        of its first `accumulate_gradients` call (`keras_memopt._step.custom_steps`).
-        """
+        """Makes, from the first step's own batch, what it would make while traced, so that
+        the first step is traced once (a model with no `call()` of its own is left to its
+        step, as Keras leaves it), and probes how the loss splits over micro-batches."""
         local = distribute.first_replica_part(data, self.distribute_strategy)
         buildable = isinstance(self, _keras.Functional) or (
             type(self).call is not _keras.keras.Model.call
@@ -121,12 +113,8 @@ class MicroBatchSteps:
         return self(x)
 
     def _build_before_loop(self, x):
-        """Builds a model that has not been called yet on a one-sample batch.
-
-        Keras builds such (subclassed) models in their first traced step, but
-        TensorFlow cannot create variables inside the micro-batch function,
-        and the loop needs the variables to know its gradients.
-        """
+        """Builds a model not called yet on a one-sample batch: TensorFlow cannot create
+        variables inside the micro-batch function, and the loop needs them."""
         if self.built:
             return
 
@@ -156,14 +144,9 @@ class MicroBatchSteps:
     def _micro_batch_pass(self, micro_step, data, batch_size, reductions=None):
         """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
 
-        The pass `train_step` and `test_step` share. `micro_step` returns the
-        micro-batch's fraction of the loss first. `counts` are what Keras divides
-        each output's loss by, over the whole batch: counted before the loop
-        where the first step's check found an output with a mask or a loss
-        that ignores a class (`LossForm.counted_by`, see
-        `keras_memopt._step.losses`). `reductions` as for `_loop.accumulate`.
-        Returns the summed outputs and the scale that turns this replica's
-        loss into its mean.
+        `micro_step` returns the micro-batch's fraction of the loss first;
+        `counts` are `LossSplit.batch_counts`'. Returns the summed outputs and
+        the scale that turns this replica's loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
         size = self._run.setting.size_tensor(replica_batch)
