@@ -1,17 +1,11 @@
 """The first step's probe: a few samples, repeated, to see what the loss and metrics do.
 
-Micro-batches weighted by their fraction of the batch add up to the batch's loss when
-the loss is a mean of per-sample terms, and to its metrics when a metric accumulates
-per-sample values. Before the first step the probe evaluates, in inference mode and
-putting back what it changes, on the batch's first two samples, on them repeated
-(every sample twice) and on each alone: the loss of one forward pass's outputs (a
-random layer cannot fool it) and each term of `model.losses` (`probe.loss`), the
-compiled metrics and the `Mean`s layers update in `call` (`probe.metrics`), and a
-custom step's `loss_fn` (`keras_memopt._step.custom_steps`). Each value is a `Seen`:
-a mean keeps its value on the repeated samples and is the sum of the samples' own
-parts weighted by their fractions; a sum doubles; anything else couples the samples.
-A value zero on two samples tells nothing (a loss of pairs on two of one class): the
-batch's next pairs are probed (`pairs`).
+Before the first step, in inference mode and putting back what it changes, on the batch's
+first two samples, on them repeated and on each alone: the loss and each term of `model.losses`
+(`probe.loss`), the compiled metrics and the layers' `Mean`s (`probe.metrics`), a custom step's
+`loss_fn`. Each value is a `Seen`: a mean keeps its value on the repeated samples and is the sum
+of the samples' weighted parts; a sum doubles; anything else couples the samples. A value zero
+on two samples tells nothing: the next pairs are probed (`pairs`). See docs/accumulation.md.
 
 Tolerance (`RTOL`, `tolerance`, `close`): float32 evaluations of the same per-sample
 values in another order differ by a few units in the last place (~1e-7 of the value,
