@@ -4,22 +4,6 @@ tfmot's `prune_low_magnitude` and `strip_pruning`, on tf_keras only (`TF_USE_LEG
 before TensorFlow is imported, and the `tfmot` extra), an `AccumulatingModel` coming back as one
 with the same setting. `pruning_step` counts optimizer updates, not micro-batches. See
 docs/pruning.md.
-
-Example:
-
-```python
-# TF_USE_LEGACY_KERAS=1 must be set before TensorFlow is imported.
-import tensorflow_model_optimization as tfmot
-import keras_memopt as kmo
-
-model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=32)
-schedule = tfmot.sparsity.keras.PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000)
-pruned = kmo.pruning.prune_low_magnitude(model, pruning_schedule=schedule)
-pruned.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-pruned.fit(x, y, batch_size=256, epochs=4,
-           callbacks=[tfmot.sparsity.keras.UpdatePruningStep()])
-exported = kmo.pruning.strip_pruning(pruned)  # an AccumulatingModel, 80% zeros
-```
 """
 
 from __future__ import annotations

@@ -4,18 +4,6 @@ tf_keras only, as pruning. `quantize_model` returns an `AccumulatingModel` with 
 settings (tfmot's alone clones a plain functional model). The quantizers' ranges advance once
 per update, as in plain QAT; each micro-batch quantizes with its own update of them. See
 docs/pruning.md.
-
-Example:
-
-```python
-# TF_USE_LEGACY_KERAS=1 must be set before TensorFlow is imported.
-import keras_memopt as kmo
-
-model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=32)
-quantized = kmo.quantization.quantize_model(model)  # an AccumulatingModel
-quantized.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-quantized.fit(x, y, batch_size=256, epochs=4)
-```
 """
 
 from __future__ import annotations
