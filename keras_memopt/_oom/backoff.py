@@ -25,20 +25,8 @@ from keras_memopt._validation import positive_int
 
 
 class BackoffPolicy:
-    """Decides, after an out-of-memory error, the micro-batch to retry with, or refuses.
-
-    Args:
-        factor: float in (0, 1), what the micro-batch is multiplied by at
-            each backoff. Defaults to `0.5`.
-        min_micro_batch_size: int, the smallest micro-batch to try. Defaults
-            to `1`.
-        verbose: int, 0 for quiet, 1 to print a line per backoff. Defaults
-            to `1`.
-
-    Raises:
-        ValueError: if `factor` is not in (0, 1) or `min_micro_batch_size`
-            is not a positive integer.
-    """
+    """Decides, after an out-of-memory error, the micro-batch to retry with, or refuses. The
+    arguments, and the `ValueError` for bad ones, are `OOMBackoff`'s."""
 
     def __init__(self, factor: float = 0.5, min_micro_batch_size: int = 1, verbose: int = 1):
         self.factor = backoff_factor(factor)
