@@ -141,14 +141,20 @@ class MicroBatchSteps:
         self._build_before_loop(x)
         return x, y, sample_weight
 
-    def _micro_batch_pass(self, micro_step, data, batch_size, reductions=None):
-        """Runs `micro_step((x, y, sample_weight), counts)` over the micro-batches; sums it.
+    def _micro_batch_pass(self, micro_pass, data, batch_size, reductions=None):
+        """Runs `micro_pass((x, y, sample_weight), counts)` over the micro-batches, the layers'
+        own metrics weighted; sums it.
 
-        `micro_step` returns the micro-batch's fraction of the loss first;
+        `micro_pass` returns the micro-batch's fraction of the loss first;
         `counts` are `LossSplit.batch_counts`'. Returns the summed outputs and
         the scale that turns this replica's loss into its mean.
         """
         replica_batch = _loop.batch_size_of(data)
+
+        def micro_step(micro, counts):
+            step = functools.partial(micro_pass, micro, counts)
+            return self._layer_metrics_weighted(micro, replica_batch, step)
+
         size = self._run.setting.size_tensor(replica_batch)
         jit = self._run.jit_compile
         counts = self._run.loss_split.batch_counts(
@@ -196,13 +202,9 @@ class MicroBatchSteps:
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return _dtypes.widened(loss), gradients, per_update.extremes()
 
-        def micro_step(micro, counts):
-            step = functools.partial(micro_pass, micro, counts)
-            return self._layer_metrics_weighted(micro, replica_batch, step)
-
         reductions = ("sum", _loop.gradient_folds(variables), per_update.reductions())
         (loss, gradients, extremes), scale = self._micro_batch_pass(
-            micro_step, (x, y, sample_weight), batch_size, reductions
+            micro_pass, (x, y, sample_weight), batch_size, reductions
         )
         per_update.finish(extremes)
         return loss * tf.cast(scale, loss.dtype), replica_batch, gradients
@@ -292,11 +294,7 @@ class MicroBatchSteps:
             _keras.update_metrics(self, micro_x, micro_y, y_pred, micro_weight)
             return _dtypes.widened(loss)
 
-        def micro_step(micro, counts):
-            step = functools.partial(micro_pass, micro, counts)
-            return self._layer_metrics_weighted(micro, replica_batch, step)
-
-        loss, scale = self._micro_batch_pass(micro_step, (x, y, sample_weight), batch_size)
+        loss, scale = self._micro_batch_pass(micro_pass, (x, y, sample_weight), batch_size)
         return loss * tf.cast(scale, loss.dtype), replica_batch
 
     def _test_logs(self, loss, batch_size):
