@@ -1,11 +1,10 @@
 """keras_memopt: train Keras models that do not fit in accelerator memory.
 
-`import keras_memopt` imports the whole public API, TensorFlow included, so that
-`AccumulatingModel` and `Remat` are registered before `keras.models.load_model` needs them.
-Run as the `keras-memopt` command, it loads its names on first use (PEP 562), so that `--help`
-returns at once. On JAX (`KERAS_BACKEND=jax`) it exports the JAX step's `AccumulatingModel`
-and `Remat`; the other names say they are TensorFlow's when asked for.
-"""
+`import keras_memopt` imports the whole public API, TensorFlow included, so that `AccumulatingModel`
+and `Remat` are registered before `keras.models.load_model` needs them. Run as the `keras-memopt`
+command, it loads its names on first use (PEP 562), so that `--help` returns at once. On JAX
+(`KERAS_BACKEND=jax`) it exports the JAX step's `AccumulatingModel` and `Remat`; the other names say
+they are TensorFlow's when asked for."""
 
 import os as _os
 import sys as _sys
@@ -16,9 +15,8 @@ __all__ = ["AccumulatingModel", "Remat", "MemoryPlanner", "MemoryReader", "confi
 
 
 def _launched_as_command():
-    """Whether this process is the `keras-memopt` command: the console script,
-    or `python -m keras_memopt.cli` (`sys.argv[0]` is "-m" while this package
-    is imported)."""
+    """Whether this process is the `keras-memopt` command: the console script, or `python -m
+    keras_memopt.cli` (`sys.argv[0]` is "-m" while this package is imported)."""
     program = _os.path.basename(_sys.argv[0]) if _sys.argv and _sys.argv[0] else ""
     if program == "-m":
         return _module_run() == "keras_memopt.cli"

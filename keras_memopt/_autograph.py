@@ -1,11 +1,10 @@
 """The package's `tf.function`s: its own code as written, the user's converted as Keras converts it.
 
-tf_keras converts a layer's `call`, a loss and a metric's `update_state` with AutoGraph where
-the traced function leaves the choice open, as its own step functions do, and `function` does
-too: `autograph=False` turned it off for the user's code (`OperatorNotAllowedInGraphError` on
-Python control flow on tensors), `autograph=True` converted the package's own as well (about
-2.5 s of CPU at each process's first step). Keras 3 converts nothing.
-"""
+tf_keras converts a layer's `call`, a loss and a metric's `update_state` with AutoGraph where the
+traced function leaves the choice open, as its own step functions do, and `function` does too:
+`autograph=False` turned it off for the user's code (`OperatorNotAllowedInGraphError` on Python
+control flow on tensors), `autograph=True` converted the package's own as well (about 2.5 s of CPU
+at each process's first step). Keras 3 converts nothing."""
 
 from __future__ import annotations
 

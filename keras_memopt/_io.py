@@ -1,9 +1,7 @@
 """Messages to the user, the way Keras prints its own (`keras.src.utils.io_utils.print_msg`).
 
-With interactive logging on (Keras's default), a message goes to standard
-output; with it off (`keras.config.disable_interactive_logging()`), to the
-log, as Keras's progress bars do.
-"""
+With interactive logging on (Keras's default), a message goes to standard output; with it off
+(`keras.config.disable_interactive_logging()`), to the log, as Keras's progress bars do."""
 
 from __future__ import annotations
 

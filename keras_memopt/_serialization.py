@@ -1,8 +1,7 @@
 """Saving, loading, cloning and pickling an `AccumulatingModel`, its setting included.
 
-The setting goes into the model's config and its compile config (what Keras 3's `clone_model`
-passes on); `functional_class` is the form that is saved and revived.
-"""
+The setting goes into the model's config and its compile config (what Keras 3's `clone_model` passes
+on); `functional_class` is the form that is saved and revived."""
 
 from __future__ import annotations
 
@@ -18,12 +17,9 @@ _FUNCTIONAL_CLASSES: dict[type, type] = {}
 
 
 def functional_class(cls, *mixins):
-    """`cls` with Keras's functional model class mixed in (after `mixins`, which
-    only the functional form has).
-
-    Keras would otherwise rewrite the class's bases in place, breaking every later subclassed
-    use of `AccumulatingModel`.
-    """
+    """`cls` with Keras's functional model class mixed in (after `mixins`, which only the functional
+    form has). Keras would otherwise rewrite the class's bases in place, breaking every later
+    subclassed use of `AccumulatingModel`."""
     if cls not in _FUNCTIONAL_CLASSES:
         functional = type(
             cls.__name__, (cls, *mixins, _keras.Functional), {"__module__": cls.__module__}

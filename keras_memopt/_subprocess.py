@@ -1,13 +1,11 @@
 """Runs Python in a fresh process, a fresh TensorFlow, and gets a result back.
 
-TensorFlow reads its allocator settings once, at start, and what a process allocated before
-changes what it allocates next: what must be measured from a clean start, or under a memory
-limit, runs in a child of its own, started here. `call` runs a `"module:function"` on a JSON
-payload and returns its JSON result (one tagged stdout line); `run` returns a command's whole
-`Output`; `start`/`wait_all` run children side by side. Output goes to temporary files, not pipes
-(children that wait for each other cannot block), and no child outlives the call that started
-it, on timeout or interrupt.
-"""
+TensorFlow reads its allocator settings once, at start, and what a process allocated before changes
+what it allocates next: what must be measured from a clean start, or under a memory limit, runs in a
+child of its own, started here. `call` runs a `"module:function"` on a JSON payload and returns its
+JSON result (one tagged stdout line); `run` returns a command's whole `Output`; `start`/`wait_all`
+run children side by side. Output goes to temporary files, not pipes (children that wait for each
+other cannot block), and no child outlives the call that started it, on timeout or interrupt."""
 
 from __future__ import annotations
 

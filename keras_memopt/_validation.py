@@ -1,19 +1,15 @@
 """Argument checks shared by the public classes, worded as Keras words them.
 
-Light to import (no NumPy, no TensorFlow): the command line uses them before
-it loads anything heavy.
-"""
+Light to import (no NumPy, no TensorFlow): the command line uses them before it loads anything
+heavy."""
 
 import argparse
 import numbers
 
 
 def positive_int(name, value):
-    """Returns `value` as an int, or raises naming the argument.
-
-    Python and NumPy integers are accepted; bools (Python's and NumPy's) and
-    floats are not.
-    """
+    """Returns `value` as an int, or raises naming the argument. Python and NumPy integers are
+    accepted; bools (Python's and NumPy's) and floats are not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)

@@ -1,8 +1,7 @@
 """The `keras-memopt` command line.
 
-Light to import: arguments are parsed before TensorFlow loads (see
-`keras_memopt/__init__.py`), so `--help` and argument errors return at once.
-"""
+Light to import: arguments are parsed before TensorFlow loads (see `keras_memopt/__init__.py`), so
+`--help` and argument errors return at once."""
 
 from __future__ import annotations
 
@@ -161,10 +160,8 @@ def _plan(args) -> int:
 
 def _prepare_tensorflow():
     """Quiet TensorFlow's C++ log, and give its CPU allocator figures, unless set already.
-
-    Measurements run in fresh processes that set up their own allocator; this
-    process needs the figures only to measure a model those cannot rebuild.
-    """
+    Measurements run in fresh processes that set up their own allocator; this process needs the
+    figures only to measure a model those cannot rebuild."""
     if "tensorflow" in sys.modules:
         return  # too late: TensorFlow reads these when it starts
     from keras_memopt._subprocess import tensorflow_env

@@ -83,9 +83,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def train(settings):
     """One training run in this (fresh) process; returns what it did as a dict.
 
-    `settings` holds `run` (`"plain"`, `"accumulating"` or `"plain-unlimited"`)
-    and the demo's options by name.
-    """
+    `settings` holds `run` (`"plain"`, `"accumulating"` or `"plain-unlimited"`) and the demo's
+    options by name."""
     import numpy as np
     import tensorflow as tf
 

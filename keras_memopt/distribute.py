@@ -20,8 +20,7 @@ def multi_worker(strategy) -> bool:
 def writes_files(strategy) -> bool:
     """Whether this process writes checkpoints: not a non-chief worker of a cluster.
 
-    (tf_keras sends non-chief workers' files to temporary paths itself.)
-    """
+    (tf_keras sends non-chief workers' files to temporary paths itself.)"""
     return (
         _keras.REDIRECTS_NON_CHIEF_FILES
         or not multi_worker(strategy)
@@ -104,10 +103,9 @@ def _multi_worker_concat(value, strategy):
 def step_function(model, kind, step):
     """A function that runs one `kind` step on one batch of data (not an iterator).
 
-    Keras's pull the batch inside the graph, so a failed step could not be
-    retried on the same batch; this has the same distribution, reduction and
-    step counter, and (unless eager) is a `tf.function`.
-    """
+    Keras's pull the batch inside the graph, so a failed step could not be retried on the same
+    batch; this has the same distribution, reduction and step counter, and (unless eager) is a
+    `tf.function`."""
     run_step = counted(model, kind, step)
     strategy = model.distribute_strategy
     reduction = reduction_of(model, kind)
@@ -145,9 +143,8 @@ def counted(model, kind, step):
 def on_replica_device(finish):
     """`finish` on its inputs made again on the replica's device.
 
-    Tensors that cross from one `tf.function` into another carry no device,
-    and collective ops need one ("destinations can not be empty").
-    """
+    Tensors that cross from one `tf.function` into another carry no device, and collective ops need
+    one ("destinations can not be empty")."""
 
     def run(outputs):
         return finish(

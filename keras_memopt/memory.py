@@ -1,7 +1,6 @@
-"""Reading memory: byte sizes, TensorFlow's allocator per device, NVML, and `MemoryReader`,
-all of them and the host's RSS as one dict. The public home of `_memory.sizes` and
-`_memory.allocator`. Importing it does not import TensorFlow (the command line checks sizes
-before TensorFlow loads)."""
+"""Reading memory: byte sizes, TensorFlow's allocator per device, NVML, and `MemoryReader`, all of
+them and the host's RSS as one dict. The public home of `_memory.sizes` and `_memory.allocator`.
+Importing it does not import TensorFlow (the command line checks sizes before TensorFlow loads)."""
 
 from __future__ import annotations
 

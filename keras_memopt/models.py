@@ -216,11 +216,9 @@ class AccumulatingModel(
     def micro_batch_size(self) -> int | tuple | str | None:
         """Samples per micro-batch, `"auto"` before its search, or None.
 
-        None when `accumulation_steps` is set, or when neither is (each batch
-        is one micro-batch). Setting it, also in the middle of `fit` (from a
-        callback), takes effect at the next step and retraces nothing; while
-        `accumulation_steps` is set, set that to None first.
-        """
+        None when `accumulation_steps` is set, or when neither is (each batch is one micro-batch).
+        Setting it, also in the middle of `fit` (from a callback), takes effect at the next step and
+        retraces nothing; while `accumulation_steps` is set, set that to None first."""
         return self._run.setting.micro_batch_size
 
     @micro_batch_size.setter
@@ -231,8 +229,7 @@ class AccumulatingModel(
     def accumulation_steps(self) -> int | None:
         """Micro-batches per batch, or None when `micro_batch_size` is set.
 
-        Set it as `micro_batch_size`; while that is set, set it to None first.
-        """
+        Set it as `micro_batch_size`; while that is set, set it to None first."""
         return self._run.setting.accumulation_steps
 
     @accumulation_steps.setter
@@ -247,9 +244,8 @@ class AccumulatingModel(
     def whole_batch_loss(self) -> bool:
         """Whether the loss is evaluated once on the whole batch's outputs.
 
-        Settable between fits, like `micro_batch_size`; the step is traced
-        anew, and the loss is checked again at the next step.
-        """
+        Settable between fits, like `micro_batch_size`; the step is traced anew, and the loss is
+        checked again at the next step."""
         return self._run.whole_batch_loss
 
     @whole_batch_loss.setter
@@ -281,9 +277,8 @@ class AccumulatingModel(
     def micro_batch_size_for(self, batch_size: int | None) -> int | tuple | None:
         """The micro-batch size a step on a batch of `batch_size` samples runs with.
 
-        Per replica under a distribution strategy; None when `batch_size` is
-        None and the size depends on it.
-        """
+        Per replica under a distribution strategy; None when `batch_size` is None and the size
+        depends on it."""
         return self._run.setting.in_use(batch_size)
 
     # -- compile and the step functions ------------------------------------------

@@ -1,12 +1,10 @@
 """Segments of a functional model on several devices (model parallelism).
 
-`AccumulatingModel(inputs, outputs, devices=[...], device_cuts=...)` cuts a
-functional model into consecutive segments, one per device, at the points
-`remat` cuts at, and puts each segment's variables (re-created there with
-their values, Keras 3), optimizer slots and computation, forward and
-backward, on its device. The segments run one after another (no pipelined
-schedule); what the split buys is memory. See docs/distributed.md.
-"""
+`AccumulatingModel(inputs, outputs, devices=[...], device_cuts=...)` cuts a functional model into
+consecutive segments, one per device, at the points `remat` cuts at, and puts each segment's
+variables (re-created there with their values, Keras 3), optimizer slots and computation, forward
+and backward, on its device. The segments run one after another (no pipelined schedule); what the
+split buys is memory. See docs/distributed.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Magnitude pruning of an `AccumulatingModel` with tensorflow-model-optimization.
 
-tfmot's `prune_low_magnitude` and `strip_pruning`, on tf_keras only (`TF_USE_LEGACY_KERAS=1`
-before TensorFlow is imported, and the `tfmot` extra), an `AccumulatingModel` coming back as one
-with the same setting. `pruning_step` counts optimizer updates, not micro-batches. See
-docs/pruning.md.
-"""
+tfmot's `prune_low_magnitude` and `strip_pruning`, on tf_keras only (`TF_USE_LEGACY_KERAS=1` before
+TensorFlow is imported, and the `tfmot` extra), an `AccumulatingModel` coming back as one with the
+same setting. `pruning_step` counts optimizer updates, not micro-batches. See docs/pruning.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Quantization-aware training of an `AccumulatingModel` with tensorflow-model-optimization.
 
-tf_keras only, as pruning. `quantize_model` returns an `AccumulatingModel` with the same
-settings (tfmot's alone clones a plain functional model). The quantizers' ranges advance once
-per update, as in plain QAT; each micro-batch quantizes with its own update of them. See
-docs/pruning.md.
-"""
+tf_keras only, as pruning. `quantize_model` returns an `AccumulatingModel` with the same settings
+(tfmot's alone clones a plain functional model). The quantizers' ranges advance once per update, as
+in plain QAT; each micro-batch quantizes with its own update of them. See docs/pruning.md."""
 
 from __future__ import annotations
 

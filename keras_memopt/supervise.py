@@ -4,8 +4,7 @@ Some out-of-memory errors kill TensorFlow itself (a SIGSEGV in oneDNN) instead o
 `keras-memopt run -- python train.py` restarts a process that died of a signal with every
 `AccumulatingModel`'s micro-batch capped at `factor` times the size in use (reported and read
 through `_oom.supervised`'s variables) and oneDNN off; one that exits with an error is not
-restarted. See docs/oom-backoff.md, "When TensorFlow itself dies".
-"""
+restarted. See docs/oom-backoff.md, "When TensorFlow itself dies"."""
 
 from __future__ import annotations
 

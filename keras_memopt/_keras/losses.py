@@ -1,8 +1,7 @@
 """The seam between keras_memopt and the Keras line in use, for losses.
 
-Keras's loss container, the terms of `model.losses` and the reported loss's
-trackers, on Keras 3 and on tf_keras (`keras_memopt._keras` for the rest).
-"""
+Keras's loss container, the terms of `model.losses` and the reported loss's trackers, on Keras 3 and
+on tf_keras (`keras_memopt._keras` for the rest)."""
 
 import contextlib
 
@@ -32,11 +31,9 @@ def compiled_loss_container(model):
 
 
 def compiled_loss(model, y, y_pred, sample_weight, terms):
-    """The compiled losses plus `terms`, by Keras's own container.
-
-    tf_keras's container also updates the reported loss (weighted by the
-    dynamic batch size); Keras 3's updates its per-output loss trackers.
-    """
+    """The compiled losses plus `terms`, by Keras's own container. tf_keras's container also updates
+    the reported loss (weighted by the dynamic batch size); Keras 3's updates its per-output loss
+    trackers."""
     container = compiled_loss_container(model)
     if LEGACY:
         # None where no output has a loss and there are no terms.
@@ -88,10 +85,9 @@ def output_loss_trackers(model):
 
 
 def unweighted_loss_metric(model):
-    """tf_keras's reported loss where no output has a loss (the loss is only
-    `model.losses`): its container then weighs each call by one, not by the
-    call's samples, so a step must update it once. None otherwise (Keras 3
-    tracks the loss in the step, `track_loss`)."""
+    """tf_keras's reported loss where no output has a loss (the loss is only `model.losses`): its
+    container then weighs each call by one, not by the call's samples, so a step must update it
+    once. None otherwise (Keras 3 tracks the loss in the step, `track_loss`)."""
     if not LEGACY or any(tf.nest.flatten(getattr(model, "loss", None))):
         return None
     container = compiled_loss_container(model)

@@ -1,9 +1,8 @@
 """Replaying a layer's randomness: the same dropout masks in a recomputation.
 
 A recomputation must draw the forward pass's random numbers and not update state again:
-`random_state` pins a call's randomness, `Replay` runs a call with it, `Rerun` runs a whole
-model again (`whole_batch_loss`'s second pass), state put back and `add_loss` terms kept.
-"""
+`random_state` pins a call's randomness, `Replay` runs a call with it, `Rerun` runs a whole model
+again (`whole_batch_loss`'s second pass), state put back and `add_loss` terms kept."""
 
 import tensorflow as tf
 

@@ -1,8 +1,7 @@
 """What pruning and quantization with tensorflow-model-optimization (tfmot) share.
 
-tfmot 0.8 works only with tf_keras; its functions clone a model into a plain functional one,
-which `rewrap` makes an `AccumulatingModel` again, with the original's settings.
-"""
+tfmot 0.8 works only with tf_keras; its functions clone a model into a plain functional one, which
+`rewrap` makes an `AccumulatingModel` again, with the original's settings."""
 
 from __future__ import annotations
 

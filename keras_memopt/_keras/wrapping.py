@@ -5,10 +5,9 @@ from keras_memopt._keras import LEGACY, Functional, keras, nested_inputs_outputs
 
 def wrapped_inputs_outputs(model):
     """The inputs and outputs of a functional model over `model`'s layers, for
-    `AccumulatingModel.from_model`: a functional or `Sequential` model's own (a
-    dict of outputs stays a dict: losses, metrics and per-output sample weights
-    are matched by their keys), or a built subclassed model called once on an
-    input of the shape it was built for."""
+    `AccumulatingModel.from_model`: a functional or `Sequential` model's own (a dict of outputs
+    stays a dict: losses, metrics and per-output sample weights are matched by their keys), or a
+    built subclassed model called once on an input of the shape it was built for."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a `keras.Model`. "

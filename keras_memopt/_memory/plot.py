@@ -1,8 +1,7 @@
 """A `MemoryLogger`'s plot: the memory timeline, device and host on panels of their own.
 
-The host's RSS (hundreds of MiB of TensorFlow's libraries) would press a device's curve flat on
-a shared axis.
-"""
+The host's RSS (hundreds of MiB of TensorFlow's libraries) would press a device's curve flat on a
+shared axis."""
 
 from __future__ import annotations
 
@@ -30,11 +29,8 @@ def _label(name):
 
 
 def memory_figure(rows: list[dict]):
-    """A matplotlib `Figure` of the rows' figures over their `step`.
-
-    One panel for the device figures (where there are any), one for the
-    host's RSS (where read), sharing the step axis.
-    """
+    """A matplotlib `Figure` of the rows' figures over their `step`. One panel for the device
+    figures (where there are any), one for the host's RSS (where read), sharing the step axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

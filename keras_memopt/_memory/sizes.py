@@ -1,8 +1,7 @@
 """Byte sizes: `"8GiB"` to bytes and back, and the bytes of tensors from their shapes.
 
-Importing this module does not import TensorFlow (the functions that need it
-do), so that the command line can check sizes before TensorFlow loads.
-"""
+Importing this module does not import TensorFlow (the functions that need it do), so that the
+command line can check sizes before TensorFlow loads."""
 
 from __future__ import annotations
 
@@ -96,11 +95,9 @@ def variables_bytes(variables, dtype=None) -> int:
 
 
 def bytes_per_sample(tensors, unknown_dim: int | None = None) -> int | None:
-    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped.
-
-    None if a dimension but the batch axis is unknown, unless `unknown_dim`
-    says what to count it as (see `bytes_if_known`).
-    """
+    """Bytes of one sample of a (nest of) symbolic tensors, batch axis dropped. None if a dimension
+    but the batch axis is unknown, unless `unknown_dim` says what to count it as (see
+    `bytes_if_known`)."""
     import tensorflow as tf
 
     total = 0

@@ -2,9 +2,8 @@
 
 From the whole batch, each out-of-memory error rolled back and the size shrunk by the attached
 `OOMBackoff`'s policy (or a quiet default one); the first size that runs must then train `STEPS`
-consecutive steps with their peaks' spread free (`headroom`), else it shrinks and a new run
-starts. Kept in `model.micro_batch_search`. See docs/oom-backoff.md.
-"""
+consecutive steps with their peaks' spread free (`headroom`), else it shrinks and a new run starts.
+Kept in `model.micro_batch_search`. See docs/oom-backoff.md."""
 
 from __future__ import annotations
 
@@ -27,11 +26,8 @@ def headroom(peaks: list[int], total: int | None) -> dict:
 
 
 class AutoSearch:
-    """One search, from the first batch of `batch_size` samples per replica.
-
-    The step runner calls `stepped` after each step that ran, until it
-    returns True.
-    """
+    """One search, from the first batch of `batch_size` samples per replica. The step runner calls
+    `stepped` after each step that ran, until it returns True."""
 
     STEPS = 10  # the run of consecutive steps a size must train
 

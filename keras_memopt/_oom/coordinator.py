@@ -1,10 +1,9 @@
 """Running one step's functions: on one worker, or on several that must retry together.
 
 The runner attempts a step in three calls: `run` (what may fail on this worker alone), `agree`
-(every worker's status) and `finish` (the collective rest). On one worker `run` is the whole
-step. Under several, a worker that retried alone would wait in collective ops the others never
-join (measured: every worker hangs). See docs/distributed.md.
-"""
+(every worker's status) and `finish` (the collective rest). On one worker `run` is the whole step.
+Under several, a worker that retried alone would wait in collective ops the others never join
+(measured: every worker hangs). See docs/distributed.md."""
 
 from __future__ import annotations
 
@@ -66,13 +65,10 @@ class OneWorker:
 
 class SeveralWorkers:
     """A step under several workers in three calls, so that all retry an out-of-memory error.
-
-    `run(data)` has no collective op; `agree(status)` all-reduces every
-    worker's `StepStatus`; `finish(outputs)` is the collective part. Functions
-    with collective ops are traced in the same order on every
-    worker (their ops are matched by keys handed out when traced): `agree`
-    first, then `finish`; `run` may be traced again on one worker alone.
-    """
+    `run(data)` has no collective op; `agree(status)` all-reduces every worker's `StepStatus`;
+    `finish(outputs)` is the collective part. Functions with collective ops are traced in the same
+    order on every worker (their ops are matched by keys handed out when traced): `agree` first,
+    then `finish`; `run` may be traced again on one worker alone."""
 
     def __init__(self, model, kind, local, finish):
         strategy = model.distribute_strategy
@@ -112,10 +108,8 @@ class SeveralWorkers:
 
     def finish_agreed(self, outputs):
         """`(outputs, status, error)`: the collective part, then every worker's status after it.
-
-        `status` is the agreed one; `error` this worker's (an out-of-memory
-        error's text, another as raised, or None).
-        """
+        `status` is the agreed one; `error` this worker's (an out-of-memory error's text, another as
+        raised, or None)."""
         try:
             outputs = self.finish(outputs)
         except tf.errors.OpError as error:

@@ -1,11 +1,10 @@
 """Retrying a step that ran out of memory: the one loop, around the step.
 
-With a policy attached (`OOMBackoff`, `micro_batch_size="auto"`), the step runner hands each
-step to `Retries.run`: attempt; on an out-of-memory error put back what the attempt changed
+With a policy attached (`OOMBackoff`, `micro_batch_size="auto"`), the step runner hands each step to
+`Retries.run`: attempt; on an out-of-memory error put back what the attempt changed
 (`_step.rollback`), ask the policy, attempt the same batch again (the size is run-time state:
 nothing is retraced). An error is kept as its text, its tracebacks dropped: nothing of a failed
-attempt outlives the retry. Several workers agree on each attempt (`_oom.coordinator`).
-"""
+attempt outlives the retry. Several workers agree on each attempt (`_oom.coordinator`)."""
 
 from __future__ import annotations
 

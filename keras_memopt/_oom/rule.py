@@ -1,9 +1,7 @@
 """The backoff rule: the micro-batch size to retry with after an out-of-memory error.
 
-One rule for `BackoffPolicy` (`OOMBackoff`, `micro_batch_size="auto"`) and
-the process supervisor (`keras-memopt run`), which imports it before
-anything heavy: no TensorFlow here.
-"""
+One rule for `BackoffPolicy` (`OOMBackoff`, `micro_batch_size="auto"`) and the process supervisor
+(`keras-memopt run`), which imports it before anything heavy: no TensorFlow here."""
 
 import numbers
 
@@ -19,9 +17,7 @@ def backoff_factor(value):
 
 
 def shrink(size: int, factor: float, minimum: int) -> int:
-    """The micro-batch size after an out-of-memory error at `size`: the one rule.
-
-    `size * factor` rounded down, at least one sample smaller and never below
-    `minimum`; used by `OOMBackoff` and `keras-memopt run`.
-    """
+    """The micro-batch size after an out-of-memory error at `size`: the one rule. `size * factor`
+    rounded down, at least one sample smaller and never below `minimum`; used by `OOMBackoff` and
+    `keras-memopt run`."""
     return max(minimum, min(size - 1, int(size * factor)))

@@ -1,9 +1,7 @@
 """What a `fit`, `evaluate` or `predict` call leaves behind: the run-time settings it found.
 
-Callbacks change run-time settings for a call (`OOMBackoff`: `oom_policy`, XLA) and put them
-back in `on_*_end`, which Keras skips when the call raises: `kept` puts them back however the
-call ends.
-"""
+Callbacks change run-time settings for a call (`OOMBackoff`: `oom_policy`, XLA) and put them back in
+`on_*_end`, which Keras skips when the call raises: `kept` puts them back however the call ends."""
 
 from __future__ import annotations
 

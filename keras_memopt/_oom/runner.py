@@ -1,9 +1,8 @@
 """The step runner: `model.<kind>_function` of an `AccumulatingModel`.
 
-A `StepRunner` pulls the batch from the iterator itself (so that a failed attempt can run
-again on the same batch) and runs the step on it, through the retry loop (`_oom.retries`)
-where an out-of-memory policy is attached.
-"""
+A `StepRunner` pulls the batch from the iterator itself (so that a failed attempt can run again on
+the same batch) and runs the step on it, through the retry loop (`_oom.retries`) where an
+out-of-memory policy is attached."""
 
 from __future__ import annotations
 

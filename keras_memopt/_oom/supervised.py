@@ -1,7 +1,6 @@
 """The training process's side of `keras-memopt run` (`keras_memopt.supervise`).
 
-It reads its cap from `CAP_VARIABLE` and writes the size in use to `STATE_VARIABLE`'s file.
-"""
+It reads its cap from `CAP_VARIABLE` and writes the size in use to `STATE_VARIABLE`'s file."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """The update's guard: an update starts only where it is known to fit.
 
-The first attempt at each micro-batch size measures what the update allocates above its start
-(the runner keeps the update's variables in host memory meanwhile); later updates first check
-that much is free, and stop with an out-of-memory error before anything of the update ran, or,
-where the device's total is not known, reserve it. Why checking is preferred:
-docs/oom-backoff.md. The step's update waits for `begin`; the runner arms, disarms and reads.
-"""
+The first attempt at each micro-batch size measures what the update allocates above its start (the
+runner keeps the update's variables in host memory meanwhile); later updates first check that much
+is free, and stop with an out-of-memory error before anything of the update ran, or, where the
+device's total is not known, reserve it. Why checking is preferred: docs/oom-backoff.md. The step's
+update waits for `begin`; the runner arms, disarms and reads."""
 
 from __future__ import annotations
 
@@ -20,13 +19,10 @@ _KIB = 1024
 
 
 class UpdateGuard:
-    """Lets a step's update start only where it fits, and says whether it began.
-
-    At the update's start a `tf.py_function` (`_update_begins`) either measures
-    (a new peak window, whose peak is then the update's) or checks that the
-    measured need is free. Without a policy attached (`disarm`) the update
-    runs unguarded, as in plain Keras.
-    """
+    """Lets a step's update start only where it fits, and says whether it began. At the update's
+    start a `tf.py_function` (`_update_begins`) either measures (a new peak window, whose peak is
+    then the update's) or checks that the measured need is free. Without a policy attached
+    (`disarm`) the update runs unguarded, as in plain Keras."""
 
     # What is added to the update's measured need before it is checked or
     # reserved: the update's ops run in one order (chained), so its memory

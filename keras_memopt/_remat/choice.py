@@ -1,14 +1,13 @@
 """`remat="auto"`: which segments to recompute, chosen from the traced step.
 
-The cut points are the tensors that separate the graph (`_remat.graph`); between them lie
-*units*. The model is traced once, unit by unit (`_remat.liveness`), every op labelled with its
-unit (a gradient op by the forward op whose name scope the tape made it in, else by the earliest
-unit it reads from). Each candidate is played on that graph as it would run, a recomputed
-segment's forward ops again just before its first gradient op, with the micro-batch loop's
-gradient sum alive all along (counted without it, the gradients made late hid what recomputation
-frees early; issue 55). The candidates, the rule that picks one (the constants below) and the
-measurements behind it: docs/remat.md.
-"""
+The cut points are the tensors that separate the graph (`_remat.graph`); between them lie *units*.
+The model is traced once, unit by unit (`_remat.liveness`), every op labelled with its unit (a
+gradient op by the forward op whose name scope the tape made it in, else by the earliest unit it
+reads from). Each candidate is played on that graph as it would run, a recomputed segment's forward
+ops again just before its first gradient op, with the micro-batch loop's gradient sum alive all
+along (counted without it, the gradients made late hid what recomputation frees early; issue 55).
+The candidates, the rule that picks one (the constants below) and the measurements behind it:
+docs/remat.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A functional model's layer graph and the points where it can be cut.
 
-Recomputed and placed segments cut at a layer whose single output every path from the inputs
-to the outputs passes through: `Graph` finds them, `named_cuts` checks the layers named.
-"""
+Recomputed and placed segments cut at a layer whose single output every path from the inputs to the
+outputs passes through: `Graph` finds them, `named_cuts` checks the layers named."""
 
 from __future__ import annotations
 
@@ -60,11 +59,9 @@ class Graph:
         return repr(self.nodes[index][0].name)
 
     def bypass(self, index):
-        """Why node `index`'s output does not separate the graph, or None.
-
-        It separates it when every other node feeds it or depends on it and no
-        tensor computed before it is used after it (a skip connection).
-        """
+        """Why node `index`'s output does not separate the graph, or None. It separates it when
+        every other node feeds it or depends on it and no tensor computed before it is used after it
+        (a skip connection)."""
         related = self.ancestors[index] | self.descendants[index] | (1 << index)
         missing = self.everything & ~related
         if missing:
@@ -85,10 +82,9 @@ class Graph:
         return None
 
     def separates(self, index):
-        """Whether node `index`'s output is a cut point: a single tensor that
-        separates the graph, of a layer called once (a shared layer's output is
-        not one point; Keras 3 builds no model that starts at it and calls the
-        layer again)."""
+        """Whether node `index`'s output is a cut point: a single tensor that separates the graph,
+        of a layer called once (a shared layer's output is not one point; Keras 3 builds no model
+        that starts at it and calls the layer again)."""
         layer, _, outputs = self.nodes[index]
         return (
             len(outputs) == 1

@@ -1,12 +1,10 @@
 """What a training step holds, counted from its traced gradient graph.
 
-`trace` builds a forward pass and its gradient with the batch axis unknown, running nothing;
-a tensor with an unknown dimension grows with the batch (bytes per sample), one without is
-fixed. `StepGraph.peak(batch)` replays the ops in dataflow order (TensorFlow's executor with one
-inter-op thread), each tensor dropped after its last use. What is counted, the gradient loops'
-lag (`_remat.loops.Pile`), the CPU convolution buffers, and what the estimate misses:
-docs/memory.md.
-"""
+`trace` builds a forward pass and its gradient with the batch axis unknown, running nothing; a
+tensor with an unknown dimension grows with the batch (bytes per sample), one without is fixed.
+`StepGraph.peak(batch)` replays the ops in dataflow order (TensorFlow's executor with one inter-op
+thread), each tensor dropped after its last use. What is counted, the gradient loops' lag
+(`_remat.loops.Pile`), the CPU convolution buffers, and what the estimate misses: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -323,9 +321,8 @@ class StepGraph:
                 self.sizes[buffer] = 0
 
     def dataflow_order(self):
-        """The position at which each op runs when each runs as soon as its
-        inputs are ready, first ready first run (TensorFlow's executor with one
-        inter-op thread)."""
+        """The position at which each op runs when each runs as soon as its inputs are ready, first
+        ready first run (TensorFlow's executor with one inter-op thread)."""
         index = {op: i for i, op in enumerate(self.ops)}
         waiting = [0] * len(self.ops)
         after = [[] for _ in self.ops]
@@ -381,9 +378,8 @@ class Profile:
 
 
 def trace(call, specs, variables):
-    """The `FuncGraph` of `call(*inputs)` (a scalar loss of inputs shaped like `specs`) and
-    its gradient to `variables`, and the gradients; built, not run; one replica's under a
-    strategy."""
+    """The `FuncGraph` of `call(*inputs)` (a scalar loss of inputs shaped like `specs`) and its
+    gradient to `variables`, and the gradients; built, not run; one replica's under a strategy."""
     kept = []
 
     def step(*inputs):

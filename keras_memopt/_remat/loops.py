@@ -1,12 +1,10 @@
 """What a step's loops and function calls hold: read from their bodies.
 
-A recurrent layer runs as a `While` loop (in tf_keras inside a function
-call). Its forward loop keeps one item per time step in accumulator lists
-for the gradient (`list_bytes`); its gradient loop, with TensorFlow's
-`parallel_iterations` iterations in flight, makes each time step's weight
-gradient before the loop-carried sum takes it in, so that up to that many
-of them are alive at once while the lists drain (`Pile`).
-"""
+A recurrent layer runs as a `While` loop (in tf_keras inside a function call). Its forward loop
+keeps one item per time step in accumulator lists for the gradient (`list_bytes`); its gradient
+loop, with TensorFlow's `parallel_iterations` iterations in flight, makes each time step's weight
+gradient before the loop-carried sum takes it in, so that up to that many of them are alive at once
+while the lists drain (`Pile`)."""
 
 from __future__ import annotations
 
@@ -93,13 +91,10 @@ def _source(tensor):
 
 
 def list_bytes(tensor, depth=0):
-    """(per sample, fixed) bytes of a `TensorList` (a variant tensor), or an
-    input index `("input", i)` where it is its op's i-th input passed on.
-
-    A loop's accumulator holds one item per iteration (what the loop's
-    gradient reads back: a recurrent layer's gates and states per time step);
-    a function call's output is looked up in the function's body.
-    """
+    """(per sample, fixed) bytes of a `TensorList` (a variant tensor), or an input index `("input",
+    i)` where it is its op's i-th input passed on. A loop's accumulator holds one item per iteration
+    (what the loop's gradient reads back: a recurrent layer's gates and states per time step); a
+    function call's output is looked up in the function's body."""
     op = tensor.op
     if depth > 8:
         return None

@@ -1,11 +1,10 @@
 """Recomputation in the backward pass: the custom gradient behind every recomputed segment.
 
-Why not `keras.RematScope` / `keras.remat`: on TensorFlow they fail inside graph-mode `fit()`
-when a layer takes keyword arguments (`custom_gradient` takes only positional tensors outside
-eager mode), draw new dropout masks and update BatchNormalization's statistics twice. Here
-keyword arguments are bound before the gradient is defined, and the recomputation replays the
-forward pass's random seeds and discards state updates (`_keras.replay`).
-"""
+Why not `keras.RematScope` / `keras.remat`: on TensorFlow they fail inside graph-mode `fit()` when a
+layer takes keyword arguments (`custom_gradient` takes only positional tensors outside eager mode),
+draw new dropout masks and update BatchNormalization's statistics twice. Here keyword arguments are
+bound before the gradient is defined, and the recomputation replays the forward pass's random seeds
+and discards state updates (`_keras.replay`)."""
 
 from __future__ import annotations
 

@@ -30,15 +30,11 @@ class Cuts(NamedTuple):
 
 
 def plan_segments(model, remat, batch=None) -> Cuts:
-    """Where `model`'s recomputed segments end (`Cuts`), for `remat` "auto" or layer names.
-
-    `"auto"` cuts at tensors that separate the graph and picks the candidate
-    with the lowest estimated step peak at `batch` samples (defaults to the
-    model's `micro_batch_size` where it is a number, else 4096); where the
-    step cannot be traced, nothing is recomputed, with a warning. The last
-    segment is never recomputed; a nested model is one node. See
-    docs/remat.md.
-    """
+    """Where `model`'s recomputed segments end (`Cuts`), for `remat` "auto" or layer names. `"auto"`
+    cuts at tensors that separate the graph and picks the candidate with the lowest estimated step
+    peak at `batch` samples (defaults to the model's `micro_batch_size` where it is a number, else
+    4096); where the step cannot be traced, nothing is recomputed, with a warning. The last segment
+    is never recomputed; a nested model is one node. See docs/remat.md."""
     graph = _graph.Graph(model)
     if remat != "auto":
         cuts = _graph.named_cuts(graph, model, remat, "remat")

@@ -1,4 +1,3 @@
 """The steps of `AccumulatingModel`: the micro-batch loop, losses, update, setting and runner.
 
-See docs/architecture.md for the path of one step through these modules.
-"""
+See docs/architecture.md for the path of one step through these modules."""

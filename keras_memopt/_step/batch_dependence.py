@@ -2,10 +2,9 @@
 
 A micro-batch is a batch of its own to every layer: BatchNormalization's statistics, or a
 `TextVectorization` that pads each call to its longest text, follow it (docs/accumulation.md).
-`warn` names what it can recognise: such a `TextVectorization`, and any output whose shape
-differs between the batch's first sample and its first two. `refuse_stateful` refuses a
-stateful recurrent layer (one state per row of a fixed batch).
-"""
+`warn` names what it can recognise: such a `TextVectorization`, and any output whose shape differs
+between the batch's first sample and its first two. `refuse_stateful` refuses a stateful recurrent
+layer (one state per row of a fixed batch)."""
 
 from __future__ import annotations
 

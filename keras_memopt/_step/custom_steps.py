@@ -1,10 +1,9 @@
 """What custom train steps use: `accumulate_gradients`, and the warning when one splits nothing.
 
-A custom step that calls neither `accumulate_gradients` nor `super().train_step` saves no
-memory, and is told so. Before the first step, one that does runs once eagerly on two samples
-as far as that call (`_check_custom_loss`, state put back): a `loss_fn` that is no mean of
-per-sample terms is warned about; one that draws random numbers is not checked.
-"""
+A custom step that calls neither `accumulate_gradients` nor `super().train_step` saves no memory,
+and is told so. Before the first step, one that does runs once eagerly on two samples as far as that
+call (`_check_custom_loss`, state put back): a `loss_fn` that is no mean of per-sample terms is
+warned about; one that draws random numbers is not checked."""
 
 from __future__ import annotations
 

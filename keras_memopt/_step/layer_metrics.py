@@ -1,11 +1,10 @@
 """Metrics that layers update as they run, weighted by each micro-batch's fraction.
 
-A layer's own `Mean` (tf_keras's `add_metric`, a Keras 3 layer's `keras.metrics.Mean`) is
-updated once per micro-batch. The first step's probe tells how its updates add up: per element
-(as they are), a mean over samples (weighed by the fraction), a sum (value whole, count by the
-fraction); anything else is logged as the mean of its micro-batches' values, with a warning.
-See docs/accumulation.md.
-"""
+A layer's own `Mean` (tf_keras's `add_metric`, a Keras 3 layer's `keras.metrics.Mean`) is updated
+once per micro-batch. The first step's probe tells how its updates add up: per element (as they
+are), a mean over samples (weighed by the fraction), a sum (value whole, count by the fraction);
+anything else is logged as the mean of its micro-batches' values, with a warning. See
+docs/accumulation.md."""
 
 from __future__ import annotations
 

@@ -24,12 +24,9 @@ from keras_memopt._step.scopes import GRADIENT_SUM_SCOPE
 
 
 def fraction_of(part, whole) -> tf.Tensor:
-    """`part / whole` of two sample counts, in float64.
-
-    Cast to any float dtype at its use, it is that dtype's nearest value of
-    the ratio: a float32 quotient would put float32 rounding into a float64
-    model's loss.
-    """
+    """`part / whole` of two sample counts, in float64. Cast to any float dtype at its use, it is
+    that dtype's nearest value of the ratio: a float32 quotient would put float32 rounding into a
+    float64 model's loss."""
     return tf.cast(part, tf.float64) / tf.cast(whole, tf.float64)
 
 
@@ -125,13 +122,10 @@ def _micro_spec(t):
 
 
 def micro_function(fn, data, *args, jit_compile=False):
-    """`fn` ready for the loop, and the structure of its outputs.
-
-    Returns `(function, outputs)`: `outputs` the specs of `fn`'s outputs,
-    traced once for any micro-batch. Without XLA, `function` is `fn` itself
-    (a nested `tf.function` call in the loop measured +40% peak at two
-    micro-batches); with XLA, the compiled `tf.function`.
-    """
+    """`fn` ready for the loop, and the structure of its outputs. Returns `(function, outputs)`:
+    `outputs` the specs of `fn`'s outputs, traced once for any micro-batch. Without XLA, `function`
+    is `fn` itself (a nested `tf.function` call in the loop measured +40% peak at two
+    micro-batches); with XLA, the compiled `tf.function`."""
     function = _autograph.function(fn, jit_compile=jit_compile)
     # Any length of the extra arguments (per-output counts, say) fits the trace.
     arg_specs = [

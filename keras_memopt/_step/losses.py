@@ -1,17 +1,16 @@
 """Each micro-batch's exact fraction of the batch's loss, and the loss of a whole batch.
 
-Keras divides a loss by a count of the batch (samples, or the elements a mask or an
-`ignore_class` leaves), so a micro-batch's fraction is its count over the batch's: `n_i / N`,
-`valid_i / valid` (counted before the loop), `1` for a loss that sums over the batch; a term of
-`model.losses` `n_i / N`, or `1` where it sums over the samples (docs/accumulation.md, "The
-semantics"). The fractions enter Keras's own loss computation as scalar sample weights, so
-masks, weights, `loss_weights` and distribution scaling stay Keras's.
+Keras divides a loss by a count of the batch (samples, or the elements a mask or an `ignore_class`
+leaves), so a micro-batch's fraction is its count over the batch's: `n_i / N`, `valid_i / valid`
+(counted before the loop), `1` for a loss that sums over the batch; a term of `model.losses` `n_i /
+N`, or `1` where it sums over the samples (docs/accumulation.md, "The semantics"). The fractions
+enter Keras's own loss computation as scalar sample weights, so masks, weights, `loss_weights` and
+distribution scaling stay Keras's.
 
-Keras 3 updates each per-output loss tracker with the batch's *static* size, unknown inside the
-loop (each micro-batch counts as one; eagerly `_one_update_each` makes it so): the trackers are
-set after the loop (`OutputLossTrackers`). tf_keras weights them by the dynamic size, so there
-micro-batch losses are per sample of the micro-batch, their total weighted by `n_i / N`.
-"""
+Keras 3 updates each per-output loss tracker with the batch's *static* size, unknown inside the loop
+(each micro-batch counts as one; eagerly `_one_update_each` makes it so): the trackers are set after
+the loop (`OutputLossTrackers`). tf_keras weights them by the dynamic size, so there micro-batch
+losses are per sample of the micro-batch, their total weighted by `n_i / N`."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ class LossForm:
 
     @property
     def counted_by(self) -> str | None:
-        """What the batch's counts need, known before the loop: "outputs" (a
-        forward pass: an output carries a mask), "targets" (an ignored class
-        only), or None (Keras counts samples)."""
+        """What the batch's counts need, known before the loop: "outputs" (a forward pass: an output
+        carries a mask), "targets" (an ignored class only), or None (Keras counts samples)."""
         if self.masked:
             return "outputs"
         return "targets" if any(c is not None for c in self.ignore_classes) else None

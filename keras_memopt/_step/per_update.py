@@ -1,11 +1,9 @@
 """Layer state that plain Keras advances once per batch, kept so over micro-batches.
 
-Every micro-batch starts from the step's values of what a call sets whatever the batch
-(tfmot's `pruning_step`, `SpectralNormalization`'s kernel and `vector_u`) and of QAT's ranges;
-the step ends with the lowest minimum and highest maximum the micro-batches left, which (each
-range's update being monotonic in the batch's extreme) are the whole batch's, to the bit.
-See docs/pruning.md.
-"""
+Every micro-batch starts from the step's values of what a call sets whatever the batch (tfmot's
+`pruning_step`, `SpectralNormalization`'s kernel and `vector_u`) and of QAT's ranges; the step ends
+with the lowest minimum and highest maximum the micro-batches left, which (each range's update being
+monotonic in the batch's extreme) are the whole batch's, to the bit. See docs/pruning.md."""
 
 from __future__ import annotations
 
@@ -68,12 +66,11 @@ class PerUpdate:
     """The restarted weights and the ranges of a model, in one train step of micro-batches.
 
     `starts()` before the loop; in each micro-batch, its forward pass under
-    `tf.control_dependencies(restart(starts))` and `extremes()` among its
-    outputs, summed with `reductions()`; `finish(extremes)` after the loop.
+    `tf.control_dependencies(restart(starts))` and `extremes()` among its outputs, summed with
+    `reductions()`; `finish(extremes)` after the loop.
 
-    Raises `NotImplementedError` for tfmot's layers under a strategy (their
-    `merge_call` is not allowed inside the loop).
-    """
+    Raises `NotImplementedError` for tfmot's layers under a strategy (their `merge_call` is not
+    allowed inside the loop)."""
 
     def __init__(self, model):
         self.minimums, self.maximums = ranges(model)

@@ -1,10 +1,9 @@
 """Putting a failed step back: the state it may have changed, and copies to restore it from.
 
-The micro-batch loop changes small state (`loop_variables`: kept on the device, `Snapshot`);
-the update, which starts once every micro-batch has run, the weights and optimizer variables
-(`update_variables`): kept on the device they would cost their size again at the update, so
-where they must be kept they go to host memory (`HostCopy`). See docs/oom-backoff.md.
-"""
+The micro-batch loop changes small state (`loop_variables`: kept on the device, `Snapshot`); the
+update, which starts once every micro-batch has run, the weights and optimizer variables
+(`update_variables`): kept on the device they would cost their size again at the update, so where
+they must be kept they go to host memory (`HostCopy`). See docs/oom-backoff.md."""
 
 from __future__ import annotations
 
@@ -50,13 +49,10 @@ def state_variables(model) -> list:
 
 
 def loop_variables(model) -> list:
-    """What a step that failed before its update may have changed: `state_variables`
-    but the update's, whose scalars excepted, and the weights a forward pass assigns
-    (`SpectralNormalization`'s kernel).
-
-    (An optimizer may change a scalar before the update waits for the other
-    replicas: Keras 3's Nadam its momentum product.)
-    """
+    """What a step that failed before its update may have changed: `state_variables` but the
+    update's, whose scalars excepted, and the weights a forward pass assigns
+    (`SpectralNormalization`'s kernel). (An optimizer may change a scalar before the update waits
+    for the other replicas: Keras 3's Nadam its momentum product.)"""
     updated = {id(v) for v in update_variables(model) if tuple(v.shape) != ()}
     updated -= {id(v) for v in _per_update.call_assigned_weights(model)}  # assigned in the loop
     return [v for v in state_variables(model) if id(v) not in updated]

@@ -1,9 +1,8 @@
 """The micro-batch setting of an `AccumulatingModel`: one source of truth, read at run time.
 
-What the user set, validated once, mirrored in variables the traced step reads (changing it
-retraces nothing). `cap` (`keras-memopt run` after a crash) bounds what the setting gives and
-leaves the setting as the user made it.
-"""
+What the user set, validated once, mirrored in variables the traced step reads (changing it retraces
+nothing). `cap` (`keras-memopt run` after a crash) bounds what the setting gives and leaves the
+setting as the user made it."""
 
 from __future__ import annotations
 

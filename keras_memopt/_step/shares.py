@@ -2,8 +2,7 @@
 
 Keras hands every replica an even part; the parts are put back together and cut again
 (`split_by_shares`), and the loss fractions counted against the global batch
-(`effective_batch_size`), so the update is plain Keras's on the whole batch.
-"""
+(`effective_batch_size`), so the update is plain Keras's on the whole batch."""
 
 from __future__ import annotations
 
@@ -99,11 +98,8 @@ def effective_batch_size(batch_size, shares):
 
 
 def device_memory(strategy) -> list[int | None]:
-    """Each replica's device memory in bytes, where it can be read (else None).
-
-    A logical device's memory limit, else a GPU's total (TensorFlow's device
-    details, or NVML).
-    """
+    """Each replica's device memory in bytes, where it can be read (else None). A logical device's
+    memory limit, else a GPU's total (TensorFlow's device details, or NVML)."""
     return [
         memory.device_total(device) if "GPU" in device.upper() else None
         for device in strategy.extended.worker_devices

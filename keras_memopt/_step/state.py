@@ -1,8 +1,7 @@
 """An `AccumulatingModel`'s run-time state: what its steps read as they run.
 
 Owned by the model (`model._run`) and handed to its step runners; not tracked by Keras (its
-variables are not the model's weights and are not saved).
-"""
+variables are not the model's weights and are not saved)."""
 
 from __future__ import annotations
 

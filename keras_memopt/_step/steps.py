@@ -142,13 +142,10 @@ class MicroBatchSteps:
         return x, y, sample_weight
 
     def _micro_batch_pass(self, micro_pass, data, batch_size, reductions=None):
-        """Runs `micro_pass((x, y, sample_weight), counts)` over the micro-batches, the layers'
-        own metrics weighted; sums it.
-
-        `micro_pass` returns the micro-batch's fraction of the loss first;
-        `counts` are `LossSplit.batch_counts`'. Returns the summed outputs and
-        the scale that turns this replica's loss into its mean.
-        """
+        """Runs `micro_pass((x, y, sample_weight), counts)` over the micro-batches, the layers' own
+        metrics weighted; sums it. `micro_pass` returns the micro-batch's fraction of the loss
+        first; `counts` are `LossSplit.batch_counts`'. Returns the summed outputs and the scale that
+        turns this replica's loss into its mean."""
         replica_batch = _loop.batch_size_of(data)
 
         def micro_step(micro, counts):

@@ -1,10 +1,9 @@
 """The optimizer update of a step: after the loop, one variable after another.
 
 After the loop (`after_the_loop`): else TensorFlow runs the update's ops that need no gradient
-(SGD's `momentum * m`, `iterations`) during the loop, where they take memory and a failure
-leaves them done. One variable after another (`chain_updates`): else the variables' updates run
-side by side, each holding temporaries its size. The ops also wait for `RunState.guard`.
-"""
+(SGD's `momentum * m`, `iterations`) during the loop, where they take memory and a failure leaves
+them done. One variable after another (`chain_updates`): else the variables' updates run side by
+side, each holding temporaries its size. The ops also wait for `RunState.guard`."""
 
 from __future__ import annotations
 
@@ -17,15 +16,11 @@ from keras_memopt._step import loop as _loop
 
 
 def chain_updates(optimizer, place_on_variable_device: bool = False):
-    """Makes `optimizer` update its variables one after another in a traced step.
-
-    Each variable's `update_step` waits for the previous one's on its device
-    (and with `place_on_variable_device` runs there). A sparse gradient
-    reaches it with each row once (`_loop.sum_rows`: the all-reduce
-    concatenates the replicas' rows, which Keras 3 would apply slice by
-    slice). Optimizers without `update_step` (tf_keras's legacy ones) are
-    left as they are. Idempotent.
-    """
+    """Makes `optimizer` update its variables one after another in a traced step. Each variable's
+    `update_step` waits for the previous one's on its device (and with `place_on_variable_device`
+    runs there). A sparse gradient reaches it with each row once (`_loop.sum_rows`: the all-reduce
+    concatenates the replicas' rows, which Keras 3 would apply slice by slice). Optimizers without
+    `update_step` (tf_keras's legacy ones) are left as they are. Idempotent."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a loss-scale optimizer's
     update_step = getattr(inner, "update_step", None)
     if update_step is None or getattr(update_step, "chained", False):

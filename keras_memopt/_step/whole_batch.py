@@ -1,12 +1,11 @@
 """`whole_batch_loss=True`: a loss of the whole batch's outputs, exact, in micro-batches.
 
 Gradient caching (GradCache) around Keras's own loss, in three steps (docs/whole-batch-loss.md):
-`outputs`, every micro-batch forward without a tape, keeping its outputs and the random state
-it started from; `loss_and_output_gradients`, the loss once on the whole batch's outputs (float16
-and bfloat16 cast to float32 first, so no loss scale is needed) and its gradient to them;
-`backward`, each micro-batch forward again under a tape with that random state, what it changes
-put back, back-propagating its rows of the gradient.
-"""
+`outputs`, every micro-batch forward without a tape, keeping its outputs and the random state it
+started from; `loss_and_output_gradients`, the loss once on the whole batch's outputs (float16 and
+bfloat16 cast to float32 first, so no loss scale is needed) and its gradient to them; `backward`,
+each micro-batch forward again under a tape with that random state, what it changes put back,
+back-propagating its rows of the gradient."""
 
 from __future__ import annotations
 
@@ -102,13 +101,10 @@ class WholeBatch:
 
     @staticmethod
     def loss_and_output_gradients(loss_fn, outputs, variables, optimizer):
-        """Step 2: `(loss, output_gradients, direct_gradients)`.
-
-        `output_gradients`: one per tensor of `_differentiated(outputs)`, unscaled
-        (None for an output the loss does not read, as in plain Keras, not a zero
-        that Ftrl or a weight decay would act on); `direct_gradients`: per
-        variable, of what the loss reads of the variables itself, loss-scaled.
-        """
+        """Step 2: `(loss, output_gradients, direct_gradients)`. `output_gradients`: one per tensor
+        of `_differentiated(outputs)`, unscaled (None for an output the loss does not read, as in
+        plain Keras, not a zero that Ftrl or a weight decay would act on); `direct_gradients`: per
+        variable, of what the loss reads of the variables itself, loss-scaled."""
         floats = _differentiated(outputs)
         # Named, so that an out-of-memory error here is told from a
         # micro-batch's: no smaller micro-batch changes what the loss holds.

@@ -178,13 +178,10 @@ class WeightBytes:
 class MemoryEstimate:
     """The parts of one train step's peak memory, in bytes.
 
-    `calibrated`: False, counted from the traced step without running it;
-    True, read from measured train steps (`overhead` is what the measurement
-    adds to the counted parts). The activations' peak and the optimizer
-    update's (twice the largest trainable variable: measured 1 to 3 times
-    with Adam and RMSprop on a CPU) come at different times: `peak` has the
-    larger.
-    """
+    `calibrated`: False, counted from the traced step without running it; True, read from measured
+    train steps (`overhead` is what the measurement adds to the counted parts). The activations'
+    peak and the optimizer update's (twice the largest trainable variable: measured 1 to 3 times
+    with Adam and RMSprop on a CPU) come at different times: `peak` has the larger."""
 
     batch_size: int
     micro_batch_size: int

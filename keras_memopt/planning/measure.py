@@ -1,8 +1,7 @@
 """Measuring real train steps: in this process, or in a fresh one per size.
 
-`measure_isolated` runs `measure_step` in a child process where nothing trained before, the
-model rebuilt from `model.to_json()` with the parent's threading and precision policy.
-"""
+`measure_isolated` runs `measure_step` in a child process where nothing trained before, the model
+rebuilt from `model.to_json()` with the parent's threading and precision policy."""
 
 from __future__ import annotations
 
@@ -71,10 +70,9 @@ def synthetic_batch(model, size):
 def measure_step(source, optimizer, batch, micro, device) -> int | None:
     """Allocator peak of train steps of a fresh training copy of `source`, with headroom.
 
-    Bytes over what was in use before the copy was made: the highest peak of
-    `STEPS` steps after a tracing step, plus `headroom`'s margin; None if it
-    ran out of memory. `RuntimeError` if `device` gives no allocator figures.
-    """
+    Bytes over what was in use before the copy was made: the highest peak of `STEPS` steps after a
+    tracing step, plus `headroom`'s margin; None if it ran out of memory. `RuntimeError` if `device`
+    gives no allocator figures."""
     from keras_memopt._oom.errors import is_oom
 
     x, y = synthetic_batch(source, batch)

@@ -92,10 +92,8 @@ class MemoryPlan:
 def choose_micro_batch(peak_at, batch_size: int, usable: float, high: int) -> int | None:
     """The micro-batch size to recommend, or None when one sample does not fit.
 
-    The largest size up to `high` whose peak (`peak_at(size)`, in bytes,
-    growing with the size) fits in `usable` bytes, or a divisor of
-    `batch_size` at least half as large.
-    """
+    The largest size up to `high` whose peak (`peak_at(size)`, in bytes, growing with the size) fits
+    in `usable` bytes, or a divisor of `batch_size` at least half as large."""
     if high < 1 or peak_at(1) > usable:
         return None
     low = 1
@@ -112,9 +110,8 @@ def choose_micro_batch(peak_at, batch_size: int, usable: float, high: int) -> in
 def measured_choice(points: dict, batch_size: int, micro: int, usable: float) -> int:
     """`micro`, or the largest measured size that fitted where `micro` was not measured.
 
-    Measurements are noisy: where the rounds of measuring did not settle on
-    a measured size, the plan prefers one that was seen to fit.
-    """
+    Measurements are noisy: where the rounds of measuring did not settle on a measured size, the
+    plan prefers one that was seen to fit."""
     fitting = [
         m for (b, m), peak in points.items()
         if b == batch_size and m <= micro and peak <= usable

@@ -1,8 +1,7 @@
 """Measuring recomputation settings: `MemoryPlanner.compare_remat`.
 
 Where `remat="auto"`'s estimated candidates are close, what the estimate cannot see decides:
-`compare` measures the shortlist, as `MemoryPlanner.profile` does, and orders it.
-"""
+`compare` measures the shortlist, as `MemoryPlanner.profile` does, and orders it."""
 
 from __future__ import annotations
 

@@ -1,21 +1,19 @@
 """The first step's probe: a few samples, repeated, to see what the loss and metrics do.
 
-Before the first step, in inference mode and putting back what it changes, on the batch's
-first two samples, on them repeated and on each alone: the loss and each term of `model.losses`
+Before the first step, in inference mode and putting back what it changes, on the batch's first two
+samples, on them repeated and on each alone: the loss and each term of `model.losses`
 (`probe.loss`), the compiled metrics and the layers' `Mean`s (`probe.metrics`), a custom step's
-`loss_fn`. Each value is a `Seen`: a mean keeps its value on the repeated samples and is the sum
-of the samples' weighted parts; a sum doubles; anything else couples the samples. A value zero
-on two samples tells nothing: the next pairs are probed (`pairs`). See docs/accumulation.md.
+`loss_fn`. Each value is a `Seen`: a mean keeps its value on the repeated samples and is the sum of
+the samples' weighted parts; a sum doubles; anything else couples the samples. A value zero on two
+samples tells nothing: the next pairs are probed (`pairs`). See docs/accumulation.md.
 
-Tolerance (`RTOL`, `tolerance`, `close`): float32 evaluations of the same per-sample
-values in another order differ by a few units in the last place (~1e-7 of the value,
-or of the magnitude of the parts a sum adds up); a value that couples the samples
-changes by its own size (twice as large, another ratio). 1e-4 sits between the two,
-three orders of magnitude from each. Values computed in float16 or bfloat16 (mixed
-precision) round each part on its own: 4 of their epsilons there. A metric's figure,
-which may sit at zero with rounding around it, also passes within `NEGLIGIBLE`, the
-size below which a value tells nothing.
-"""
+Tolerance (`RTOL`, `tolerance`, `close`): float32 evaluations of the same per-sample values in
+another order differ by a few units in the last place (~1e-7 of the value, or of the magnitude of
+the parts a sum adds up); a value that couples the samples changes by its own size (twice as large,
+another ratio). 1e-4 sits between the two, three orders of magnitude from each. Values computed in
+float16 or bfloat16 (mixed precision) round each part on its own: 4 of their epsilons there. A
+metric's figure, which may sit at zero with rounding around it, also passes within `NEGLIGIBLE`, the
+size below which a value tells nothing."""
 
 from __future__ import annotations
 

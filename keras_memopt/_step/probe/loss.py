@@ -1,10 +1,9 @@
 """The loss and the terms of `model.losses` on repeated samples (`keras_memopt._step.probe`).
 
-What is evaluated and why: docs/accumulation.md, "How the fraction is found". The loss
-comes from one forward pass (a random layer cannot fool it), also one sample at a time
-as the micro-batches weigh it (a ratio of sums, a Dice loss, does not add up) and
-weighted one on a sample (Keras may divide by a count the fractions do not know).
-"""
+What is evaluated and why: docs/accumulation.md, "How the fraction is found". The loss comes from
+one forward pass (a random layer cannot fool it), also one sample at a time as the micro-batches
+weigh it (a ratio of sums, a Dice loss, does not add up) and weighted one on a sample (Keras may
+divide by a count the fractions do not know)."""
 
 from __future__ import annotations
 
@@ -140,13 +139,10 @@ def _tells_nothing(value, norm) -> bool:
 
 
 def _term_kind(index, value, norm):
-    """MEAN or SUM for one term of `model.losses`; raises where it is neither.
-
-    Its value decides; where the value is negligible, its gradient's norm, which keeps
-    its size when the term averages over samples and doubles when it sums over them
-    (or, where that cannot tell, the value if not zero and the norm leans its way); a
-    term negligible with no gradient counts as a mean.
-    """
+    """MEAN or SUM for one term of `model.losses`; raises where it is neither. Its value decides;
+    where the value is negligible, its gradient's norm, which keeps its size when the term averages
+    over samples and doubles when it sums over them (or, where that cannot tell, the value if not
+    zero and the norm leans its way); a term negligible with no gradient counts as a mean."""
     kind = by_value = value.kind()
     if value.negligible:
         kind = MEAN if _tells_nothing(value, norm) else norm.kind()
@@ -172,13 +168,10 @@ def _term_kind(index, value, norm):
 
 
 def _evaluator(model, split, form):
-    """`evaluate(data, with_loss)`: `_evaluate`'s values on host, as `Seen`s where
-    they are the loss's.
-
-    Eager, but one `tf.function` for a model with float8 layers: Keras 3's float8
-    `Dense` takes gradients only in a graph. One, with shapes relaxed: a function per
-    probe drew TensorFlow's warning about retracing.
-    """
+    """`evaluate(data, with_loss)`: `_evaluate`'s values on host, as `Seen`s where they are the
+    loss's. Eager, but one `tf.function` for a model with float8 layers: Keras 3's float8 `Dense`
+    takes gradients only in a graph. One, with shapes relaxed: a function per probe drew
+    TensorFlow's warning about retracing."""
 
     def run(x, y, with_loss):
         return _evaluate(model, split, form, x, y, with_loss)
@@ -198,13 +191,10 @@ def _evaluator(model, split, form):
 
 
 def _evaluate(model, split, form, x, y, with_loss):
-    """On one batch: the loss of the outputs and of them repeated (NaN: none), the
-    parts of each sample where `with_loss` (`_each_sample`), each term of
-    `model.losses` and its gradient's norm, and whether an output carries a mask.
-
-    On the repeated samples the losses that sum over the batch (`form.summed`) are
-    weighted by one half: a loss that splits then keeps its value.
-    """
+    """On one batch: the loss of the outputs and of them repeated (NaN: none), the parts of each
+    sample where `with_loss` (`_each_sample`), each term of `model.losses` and its gradient's norm,
+    and whether an output carries a mask. On the repeated samples the losses that sum over the batch
+    (`form.summed`) are weighted by one half: a loss that splits then keeps its value."""
     # Not the variables the optimizer overwrites with their "gradient" (float8's
     # scales): theirs is a new value, which stays when the samples are repeated.
     variables = [v for v in model.trainable_variables if not _loop.overwritten(v)]
@@ -256,11 +246,10 @@ def _norm(gradients) -> tf.Tensor:
 
 
 def _each_sample(model, split, form, x, y, y_pred):
-    """`(parts, magnitude, own, alone)` on a few samples' outputs: the loss as
-    micro-batches of one sample add it up (`split.compiled_fraction`, with the fractions
-    `form` gives) and the sum of the parts' absolute values; and for the sample whose
-    part differs most, the loss weighted one on it and zero elsewhere (`own`, NaN for
-    an overridden `compute_loss`) and its part (`alone`)."""
+    """`(parts, magnitude, own, alone)` on a few samples' outputs: the loss as micro-batches of one
+    sample add it up (`split.compiled_fraction`, with the fractions `form` gives) and the sum of the
+    parts' absolute values; and for the sample whose part differs most, the loss weighted one on it
+    and zero elsewhere (`own`, NaN for an overridden `compute_loss`) and its part (`alone`)."""
     count = _loop.static_batch_size(y_pred)
     nan = tf.constant(NAN, tf.float64)
     if not count:
