@@ -18,14 +18,8 @@ __all__ = ["Placement", "PlacementMixin", "build_plan", "place", "validate"]
 
 
 class Placement:
-    """Where a functional model's segments live.
-
-    Attributes:
-        devices: one device name per segment, as given.
-        device_cuts: `"auto"` or the cut layers' names, as given.
-        cuts: the node indices (`keras_memopt._remat.graph.Graph`) after which the
-            segments end, in graph order.
-    """
+    """Where a functional model's segments live: `devices` and `device_cuts` as given, `cuts`
+    the node indices after which the segments end."""
 
     def __init__(self, devices, device_cuts, cuts):
         self.devices = tuple(devices)
@@ -131,11 +125,8 @@ def place(model, devices, device_cuts):
     """Cuts `model` for `devices` and moves each variable to its segment's device.
 
     A layer called in several segments keeps its variables on the first
-    one's device. Returns the `Placement`.
-
-    Raises:
-        ValueError: for a cut that cannot be made (before anything moves), and
-            on tf_keras for a variable not created on its device.
+    one's. Returns the `Placement`; `ValueError` (before anything moves) for a
+    cut that cannot be made, and on tf_keras for a variable elsewhere.
     """
     graph = _graph.Graph(model)
     if device_cuts == "auto":

@@ -22,15 +22,9 @@ from keras_memopt._step import rollback as _rollback
 
 
 class Retries:
-    """Attempts of one kind of step, each put back where it ran out of memory.
-
-    Args:
-        model: the `AccumulatingModel`, read through its public members.
-        kind: "train", "test" or "predict".
-        own: whether the step is the model's own (its update guarded, and the
-            loop's state all that a failed attempt changes before it).
-        state: the model's `RunState` (its update guard).
-    """
+    """Attempts of one `kind` of step, each put back where it ran out of memory; `own`: the
+    model's own step (its update guarded, the loop's state all a failed attempt changes before
+    it)."""
 
     def __init__(self, model, kind, own, state):
         self.model = model

@@ -20,13 +20,8 @@ from keras_memopt._step.steps import StepFunctions
 
 
 class StepRunner:
-    """`model.<kind>_function`: one step per batch, retried on out-of-memory.
-
-    Args:
-        model: the `AccumulatingModel`, read through its public members.
-        functions: the `StepFunctions` to run.
-        state: the model's `RunState` (its setting and update guard).
-    """
+    """`model.<kind>_function`: one step per batch of the `StepFunctions`, retried on
+    out-of-memory."""
 
     def __init__(self, model, functions: StepFunctions, state):
         self.model = model

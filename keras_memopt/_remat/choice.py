@@ -33,14 +33,8 @@ PER_BLOCK = "a segment per block"
 
 @dataclasses.dataclass
 class Choice:
-    """What `remat="auto"` chose and why.
-
-    Attributes:
-        cuts: the unit indices after which the chosen segments end.
-        batch: the micro-batch size the peaks are estimated at.
-        peaks: estimated step peaks in bytes: "none", "every cut point", "chosen".
-        note: why, in words (for `model.summary()`).
-    """
+    """What `remat="auto"` chose (`cuts`: the units after which segments end) and why: the
+    estimated `peaks` in bytes ("none", "every cut point", "chosen") at `batch`, and a `note`."""
 
     cuts: list
     batch: int
@@ -51,14 +45,8 @@ class Choice:
 class TracedUnits:
     """A model's step traced unit by unit, and the schedule of a set of cuts.
 
-    Args:
-        model: a functional model.
-        units: the functional models (segments over the model's layers) for
-            the units, in order; the last is the head.
-
-    Attributes:
-        adding_loss: the first unit that adds a loss term with `add_loss` in
-            `call` (recomputed, the term would get no gradient), or None.
+    `units`: the segments' functional models, in order, the last the head;
+    `adding_loss`: the first unit that adds an `add_loss` term in `call`, or None.
     """
 
     def __init__(self, model, units):

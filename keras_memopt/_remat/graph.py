@@ -100,12 +100,8 @@ class Graph:
 
 
 def named_cuts(graph, model, names, argument):
-    """The node indices, in graph order, of the cut layers `names` (`argument`'s value).
-
-    Raises:
-        ValueError: naming `argument`, for a layer that is not in the model, is
-            called more than once, is an input, or does not separate the graph.
-    """
+    """The node indices, in graph order, of the cut layers `names`; `ValueError` naming
+    `argument` for a layer not in the model, called twice, an input, or not separating it."""
     by_name = {}
     for index, (layer, _, _) in enumerate(graph.nodes):
         by_name.setdefault(layer.name, []).append(index)

@@ -125,15 +125,8 @@ def list_bytes(tensor, depth=0):
 
 @dataclasses.dataclass
 class Pile:
-    """Fixed-size tensors a loop makes per iteration for a loop-carried sum.
-
-    Attributes:
-        parallel: iterations the loop may have in flight: its
-            `parallel_iterations`, at most its iteration count.
-        iterations: how many times the loop runs its body.
-        bytes: what one iteration makes for the sum (a time step's weight
-            gradients).
-    """
+    """Fixed-size tensors (`bytes`: a time step's weight gradients) a loop makes per iteration
+    for a loop-carried sum, with `parallel` of its `iterations` in flight."""
 
     parallel: int
     iterations: int

@@ -65,10 +65,7 @@ class Snapshot:
     while held is copied by the update: for small or unchanged variables.
     Putting back is eager (tracing it cost about a second on a small MLP).
 
-    Args:
-        variables: a function returning the variables (called at each `take`,
-            as a model makes some lazily), each a plain or distributed one.
-        strategy: the model's distribution strategy.
+    `variables` returns them, at each `take` (a model makes some lazily).
     """
 
     def __init__(self, variables, strategy):

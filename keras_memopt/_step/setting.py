@@ -14,15 +14,9 @@ from keras_memopt._validation import micro_batch_split
 class MicroBatchSetting:
     """Samples per micro-batch, or micro-batches per batch, for `replicas` replicas.
 
-    Args:
-        replicas: int, the replicas of the model's distribution strategy.
-        micro_batch_size: int, a tuple of ints (one per replica), `"auto"`
-            (resolved at the first step), or None.
-        accumulation_steps: int or None; at most one of the two is set.
-        cap: int or None, the largest micro-batch size this process may use.
-
-    Raises `ValueError` for a setting `micro_batch_split` refuses, or a tuple
-    of sizes that does not give one per replica.
+    `micro_batch_size` may be a tuple (one per replica) or `"auto"`; `cap`, the
+    largest size this process may use. `ValueError` for a setting
+    `micro_batch_split` refuses, or a tuple that is not one per replica.
     """
 
     def __init__(

@@ -36,16 +36,10 @@ def _differentiated(outputs) -> list:
 class WholeBatch:
     """The three steps for one model and one forward function.
 
-    Args:
-        model: the `AccumulatingModel` (its random state is replayed).
-        forward: a function of one micro-batch (a slice of the data) returning
-            `(outputs, penalty)`: a nest of output tensors, and a float
-            scalar added to the loss (the micro-batch's fraction of the
-            `model.losses` terms; `tf.zeros([])` for none).
-        jit_compile: whether each micro-batch's pass is compiled with XLA.
-        rerun: runs step 3's pass (a function of no arguments) and returns
-            its result; the model's step passes one that leaves the layers'
-            own metrics as they were.
+    `forward(micro)` returns `(outputs, penalty)`: the outputs and a scalar
+    added to the loss (its fraction of the `model.losses` terms). `rerun` runs
+    step 3's pass (a function of no arguments), leaving the layers' own
+    metrics as they were.
     """
 
     def __init__(self, model, forward, jit_compile=False, rerun=None):

@@ -14,11 +14,8 @@ __all__ = ["Calibration"]
 class Calibration:
     """Measured peaks by (batch, micro-batch) size, and how to read between them.
 
-    Args:
-        per_batch_sample: float, what a sample more in the batch costs, from
-            shapes (the input batch arrives whole).
-        min_slope: float, the shape-based activation bytes per micro-batch
-            sample: the least a sample more in the micro-batch can cost.
+    `per_batch_sample`: what a sample more in the batch costs, from shapes;
+    `min_slope`: the least a sample more in the micro-batch can cost.
     """
 
     per_batch_sample: float
