@@ -81,18 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs a `keras-memopt` subcommand; returns its exit status.
-
-    Args:
-        argv: list of str, the command-line arguments. Defaults to
-            `sys.argv[1:]`.
-
-    Returns:
-        0 on success, 1 when the plan does not fit (or the demo's
-        accumulating run did not train), 2 for errors, 130 when interrupted.
-        `run` returns the training command's status, or 127 when the command
-        is not found and 126 when it cannot be run, as a shell does.
-    """
+    """Runs a `keras-memopt` subcommand on `argv` (default `sys.argv[1:]`); returns 0 on
+    success, 1 when the plan does not fit (or the demo did not train), 2 for errors, 130 when
+    interrupted; `run`, the command's status, or 127 (not found) and 126 as a shell does."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

@@ -237,16 +237,8 @@ def _demo(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the demo; returns an exit status.
-
-    Args:
-        argv: list of str, the command-line arguments after `demo`. Defaults
-            to `sys.argv[1:]`.
-
-    Returns:
-        0 when `AccumulatingModel` trained, 1 when it did not, 2 for bad
-        arguments, 130 when interrupted (Ctrl-C).
-    """
+    """Runs the demo on `argv` (after `demo`); returns 0 when `AccumulatingModel` trained, 1
+    when it did not, 2 for bad arguments, 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
         return _demo(args)

@@ -69,13 +69,8 @@ def format_bytes(size):
 def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
     """Bytes of a tensor of `shape` and `dtype`.
 
-    Args:
-        shape: the dimensions; None for an unknown one.
-        dtype: the element type.
-        unknown_dim: int, the size to count an unknown dimension as.
-            Defaults to None: an unknown dimension makes the result None,
-            since there is no honest number (the planner refuses such
-            shapes; a caller that only compares sizes may count them as 1).
+    An unknown dimension (None) counts as `unknown_dim`; without it, the
+    result is None: there is no honest number.
     """
     size = 1
     for dim in shape:

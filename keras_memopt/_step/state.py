@@ -19,18 +19,15 @@ class RunState:
         setting: the micro-batch setting (variables the traced step reads).
         replica_shares: each replica's share of a batch, or None.
         whole_batch_loss: whether the loss is taken once on the whole batch.
-        guard: what the update waits for (`keras_memopt._step.update.Unguarded`,
-            or the `UpdateGuard` that lets it start only where it fits).
+        guard: what the update waits for (`Unguarded`, or an `UpdateGuard`).
         jit_compile: whether each micro-batch's step is compiled with XLA.
-        loss_split: how the compiled loss splits over micro-batches
-            (`keras_memopt._step.losses.LossSplit`, made at `compile`).
+        loss_split: how the loss splits over micro-batches (`LossSplit`).
         segment_plan: the recomputed or placed segments, or None.
         generation: counts the changes that need the step traced again; a
             step runner that prepared at an older one prepares again.
         accumulating: set by the micro-batch loop while a step is traced (a
             custom step that never set it splits nothing, and is told so).
-        probing: while a custom step runs once eagerly, before its first
-            step, to check its loss (`keras_memopt._step.custom_steps`).
+        probing: while a custom step runs once eagerly to check its loss.
     """
 
     setting: MicroBatchSetting

@@ -48,11 +48,8 @@ class StepFunctions:
         step: the whole step, `step(data) -> outputs` (`model.train_step`).
         prepare: `prepare(data)`, run once before the first step, on its batch.
         parts: `(local, collective)`: the model's own step in two, the first
-            without collective ops, so that several workers can agree between
-            them; None for a custom step, which cannot be split.
-        builtin: whether `step` is AccumulatingModel's own, not a user's
-            override (its update guarded, and the loop's state all that a
-            failed attempt changes before it).
+            without collective ops; None for a custom step.
+        builtin: whether `step` is AccumulatingModel's own, not a user's.
     """
 
     kind: str
