@@ -44,16 +44,9 @@ class AccumulatingModel(
     computes on the whole batch. `evaluate` and `predict` split large batches
     the same way. What is exact and what is not: docs/accumulation.md.
 
-    Use it in one of three ways:
-
-    - subclass it instead of `keras.Model` and pass `micro_batch_size` (or
-      `accumulation_steps`) to `super().__init__`;
-    - build it functionally, `AccumulatingModel(inputs, outputs, ...)`;
-    - wrap an existing model with `AccumulatingModel.from_model(model, ...)`.
-
-    The micro-batch setting is run-time state of the step: changing it (by
-    hand, from a callback, by `OOMBackoff`) retraces nothing. Changing
-    `remat`, or compiling again, traces the step anew.
+    Build it functionally, subclass it instead of `keras.Model`, or wrap a
+    model with `from_model` (the example shows each). Changing the
+    micro-batch setting retraces nothing; changing `remat` traces anew.
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch
@@ -77,9 +70,8 @@ class AccumulatingModel(
             replica's share of every batch (a list of positive numbers, or
             `"auto"` for each device's memory). Defaults to `None` (even parts).
         devices: list of device names (`["/GPU:0", "/GPU:1"]`): cuts a
-            functional model into one segment per device, each segment's
-            variables and computation on its device (model parallelism; the
-            segments run one after another). Defaults to `None` (one device).
+            functional model into one segment per device, run one after
+            another (docs/distributed.md). Defaults to `None` (one device).
         device_cuts: `"auto"` (balanced by memory) or the names of the
             `len(devices) - 1` layers whose outputs end the segments, as for
             `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
