@@ -43,7 +43,7 @@ def parse_bytes(value, name="size"):
         if match is None or (match.group(2) or "b").lower() not in _UNITS:
             raise ValueError(
                 f"`{name}` must be a positive number of bytes or a string such as "
-                f"'512MiB' or '8GB' (units: {', '.join(_unit_names())}). "
+                "'512MiB' or '8GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB). "
                 f"Received: {name}={value!r}"
             )
         size = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
@@ -52,10 +52,6 @@ def parse_bytes(value, name="size"):
             f"`{name}` must be at least one byte. Received: {name}={value!r}"
         )
     return int(size)
-
-
-def _unit_names():
-    return ["B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"]
 
 
 def format_bytes(size):

@@ -310,7 +310,7 @@ class MemoryPlanner:
             self._measure_near_choice(batch_size, usable, verbose)
         micro = self._choose(batch_size, usable)
         if profile and micro is not None:
-            micro = self._measured_choice(batch_size, micro, usable)
+            micro = measured_choice(self._calibration.points, batch_size, micro, usable)
         if micro is None:
             note = (
                 "Not even a micro-batch of one sample fits in the budget. "
@@ -378,9 +378,6 @@ class MemoryPlanner:
             for size in todo:
                 if self._measure(batch_size, size, verbose, stacklevel=4) is None:
                     break  # larger sizes will not fit either
-
-    def _measured_choice(self, batch_size, micro, usable):
-        return measured_choice(self._calibration.points, batch_size, micro, usable)
 
     def _choose(self, batch_size, usable):
         """The micro-batch size to recommend, or None when one sample does not fit."""
