@@ -1,22 +1,10 @@
 """The train, test and predict steps of `AccumulatingModel`, micro-batch by micro-batch.
 
-Read it as Keras's own `train_step` (keras/src/backend/tensorflow/trainer.py)
-with the batch split:
-
-- `train_step` = `_train_gradients` (the micro-batch loop: each micro-batch's
-  forward pass, loss and gradients, summed; no collective op) followed by
-  `_train_update` (one optimizer update, then the metrics' results);
-- with `whole_batch_loss=True`, `_train_gradients` and `_test_loss` are
-  `_whole_batch_pass`: every micro-batch forward, the loss once on the whole
-  batch's outputs, every micro-batch backward (`keras_memopt._step.whole_batch`);
-- `test_step` = `_test_loss` then `_test_logs`; `predict_step` concatenates
-  each micro-batch's predictions.
-
-Custom train steps use the same loop through `accumulate_gradients`
-(`keras_memopt._step.custom_steps`).
-
-The parts are separate so that several workers can agree between them
-whether any ran out of memory (`keras_memopt._oom.coordinator`).
+Read it as Keras's own `train_step` (keras/src/backend/tensorflow/trainer.py) with the batch
+split: `train_step` = `_train_gradients` (the micro-batch loop, no collective op) then
+`_train_update` (one update, the metrics' results); `test_step` = `_test_loss` then `_test_logs`
+(separate parts, so that several workers can agree between them); with `whole_batch_loss=True`
+the loop is `_whole_batch_pass`; `predict_step` concatenates the micro-batches' predictions.
 """
 
 from __future__ import annotations
