@@ -26,20 +26,9 @@ from keras_memopt._memory.sizes import (
 )
 
 __all__ = [
-    "MIB",
-    "MemoryReader",
-    "NvmlUnavailable",
-    "allocator_memory",
-    "bytes_if_known",
-    "bytes_per_sample",
-    "default_device",
-    "device_total",
-    "format_bytes",
-    "nvml",
-    "nvml_handle_of_tf_gpu",
-    "parse_bytes",
-    "reset_step_peak",
-    "step_peak",
+    "MIB", "MemoryReader", "NvmlUnavailable", "allocator_memory", "bytes_if_known",
+    "bytes_per_sample", "default_device", "device_total", "format_bytes", "nvml",
+    "nvml_handle_of_tf_gpu", "parse_bytes", "reset_step_peak", "step_peak",
 ]
 
 

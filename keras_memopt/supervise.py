@@ -25,11 +25,7 @@ from keras_memopt._oom.supervised import (
 from keras_memopt._validation import positive_int
 
 __all__ = [
-    "CAP_VARIABLE",
-    "ONEDNN_VARIABLE",
-    "STATE_VARIABLE",
-    "SizeFile",
-    "max_micro_batch_size",
+    "CAP_VARIABLE", "ONEDNN_VARIABLE", "STATE_VARIABLE", "SizeFile", "max_micro_batch_size",
     "supervise",
 ]
 

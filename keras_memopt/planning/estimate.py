@@ -13,11 +13,7 @@ from keras_memopt._remat import liveness as _liveness
 from keras_memopt.memory import bytes_if_known, bytes_per_sample
 
 __all__ = [
-    "MemoryEstimate",
-    "StepActivations",
-    "WeightBytes",
-    "input_bytes_per_sample",
-    "known_inputs",
+    "MemoryEstimate", "StepActivations", "WeightBytes", "input_bytes_per_sample", "known_inputs",
     "optimizer_slot_copies",
 ]
 

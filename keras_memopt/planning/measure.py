@@ -17,11 +17,7 @@ from keras_memopt._oom.auto_search import headroom
 keras = _keras.keras
 
 __all__ = [
-    "CannotIsolate",
-    "measure_in_child",
-    "measure_isolated",
-    "measure_step",
-    "synthetic_batch",
+    "CannotIsolate", "measure_in_child", "measure_isolated", "measure_step", "synthetic_batch",
     "training_copy",
 ]
 

@@ -9,11 +9,7 @@ from keras_memopt.memory import format_bytes
 from keras_memopt.planning import estimate as _estimate
 
 __all__ = [
-    "COVERS",
-    "MEASURED_MARGIN",
-    "SHAPES_ONLY_MARGIN",
-    "MemoryPlan",
-    "choose_micro_batch",
+    "COVERS", "MEASURED_MARGIN", "SHAPES_ONLY_MARGIN", "MemoryPlan", "choose_micro_batch",
     "measured_choice",
 ]
 
