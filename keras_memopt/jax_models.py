@@ -62,6 +62,12 @@ class AccumulatingModel(keras.Model):
     `evaluate` and `predict` split large batches the same way (the whole
     batch's loss and metrics, the outputs in order).
 
+    Under `keras.distribution.DataParallel`, each device splits its share
+    of the batch: `micro_batch_size` counts samples per device (as it counts
+    them per replica under a TensorFlow strategy), and each micro-batch
+    holds a part of every device's share, each device running its own rows.
+    The update, loss and metrics are those of the same model on one device.
+
     `remat=[layer names]` cuts a functional model after each named layer
     and, in training, recomputes every segment but the last in the backward
     pass (`jax.checkpoint`, through `keras_memopt.Remat`): the same weights
@@ -74,13 +80,15 @@ class AccumulatingModel(keras.Model):
     the model's weights (where the batch is split), terms of `model.losses`
     other than weight regularisers and Keras's L1, L2 and L1L2 activity
     regularisers on a functional model's layers (`add_loss`; also where it is
-    split), an overridden `compute_loss`, a `keras.distribution`, and an
-    optimizer with its own `gradient_accumulation_steps`.
+    split), an overridden `compute_loss`, a `keras.distribution` other than
+    `DataParallel` (`ModelParallel`), and an optimizer with its own
+    `gradient_accumulation_steps`.
 
     Args:
-        micro_batch_size: int, the number of samples in each micro-batch.
-            The last micro-batch of a batch may be smaller; a batch smaller
-            than `micro_batch_size` is one micro-batch.
+        micro_batch_size: int, the number of samples in each micro-batch
+            (on each device, under `DataParallel`). The last micro-batch of
+            a batch may be smaller; a batch smaller than `micro_batch_size`
+            is one micro-batch.
         accumulation_steps: int, the number of micro-batches to split each
             batch into (each of `ceil(batch / accumulation_steps)` samples,
             the last one smaller where it does not divide). Give at most one
@@ -198,7 +206,8 @@ class AccumulatingModel(keras.Model):
                 getattr(self, f"make_{kind}_function")(force=True)
 
     def micro_batch_size_for(self, batch_size: int) -> int:
-        """The micro-batch size a step on a batch of `batch_size` samples runs with."""
+        """The micro-batch size a step on a batch of `batch_size` samples runs with
+        (per device under `DataParallel`, where `batch_size` is a device's share)."""
         size, steps = self._split
         if size is not None:
             return min(size, batch_size)
@@ -382,10 +391,7 @@ def _refuse_unsupported(model, optimizer, loss):
         raise NotImplementedError(
             _not_on_jax("an overridden `compute_loss`", f"{type(model).__name__}.compute_loss")
         )
-    if keras.distribution.distribution() is not None:
-        raise NotImplementedError(
-            _not_on_jax("a `keras.distribution`", f"{keras.distribution.distribution()!r}")
-        )
+    jax_step.refuse_other_distributions()
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if steps:
         raise ValueError(

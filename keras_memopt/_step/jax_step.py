@@ -5,7 +5,10 @@ one takes the same state and returns the same. The batch of `N` samples is
 split at trace time (shapes are static on JAX) into `k` equal micro-batches
 of `m` samples, run by `jax.lax.scan`, and a last micro-batch of the `r`
 samples left over, run once more by the same function at its own static
-shape: nothing is padded into the loss (`Split`). Each micro-batch's gradient
+shape: nothing is padded into the loss (`Split`; under
+`keras.distribution.DataParallel` each device's share of the batch is split
+so, and micro-batch `j` is the `j`-th part of every share, each device
+running its own rows). Each micro-batch's gradient
 is taken of its exact fraction of the batch's loss; the fractions add up, in the
 gradients' own dtype, to the whole batch's gradient, which
 `optimizer.stateless_apply` applies once. `test_step` and `predict_step`
@@ -68,6 +71,20 @@ def restored_on_refusal(model, step_function):
     return checked
 
 
+def refuse_other_distributions():
+    """Refuses a `keras.distribution` other than `DataParallel` (whose batch
+    axis `batch_sharded` splits each micro-batch over)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None or type(distribution) is keras.distribution.DataParallel:
+        return
+    raise Refused(
+        "AccumulatingModel on JAX splits batches under `keras.distribution.DataParallel` "
+        "or without a `keras.distribution`; other distributions (ModelParallel, which "
+        "shards the weights) are not supported on JAX yet. Use DataParallel, or the "
+        f"TensorFlow backend's strategies. Received: distribution={distribution!r}"
+    )
+
+
 def splits(micro_batch_size, data) -> bool:
     """Whether a batch `data` is split into several micro-batches. Where it is not,
     the model runs Keras's own step: a micro-batch is the whole batch, and what
@@ -78,12 +95,23 @@ def splits(micro_batch_size, data) -> bool:
 
 
 class Split:
-    """A batch of `size` samples as `steps` micro-batches of `m`, then `rest`."""
+    """A batch of `size` samples as micro-batches: each device's share of it
+    (the whole batch on one device; under `DataParallel`, the rows Keras placed
+    on each device of its batch axis) as `steps` runs of `m` rows, then `rest`.
+    Micro-batch `j` holds the `j`-th run of every device's share, in device
+    order: on one device, a run of the batch's rows.
+
+    So `m` counts samples per device, as `micro_batch_size` counts them per
+    replica on the TensorFlow line, and each device runs its own rows of each
+    micro-batch: nothing is moved between the devices to slice the batch.
+    """
 
     def __init__(self, micro_batch_size, size):
         self.size = size
-        self.m = max(1, min(micro_batch_size(size), size))
-        self.steps, self.rest = divmod(size, self.m)
+        self.devices = batch_devices()
+        share = size // self.devices  # Keras places equal shares (it refuses others)
+        self.m = max(1, min(micro_batch_size(share), share))
+        self.steps, self.rest = divmod(share, self.m)
 
     def run(self, micro, totals, carried, whole):
         """Runs `micro(carried, part) -> (carried, parts, outputs)` on each
@@ -96,16 +124,15 @@ class Split:
             carried, parts, outputs = micro(carried, part)
             return (tree.map_structure(jnp.add, totals, parts), carried), outputs
 
-        steps, m, size = self.steps, self.m, self.size
-        (totals, carried), outputs = jax.lax.scan(
-            body, (totals, carried), _stacked(whole, steps, m)
-        )
-        outputs = tree.map_structure(lambda t: t.reshape((steps * m, *t.shape[2:])), outputs)
+        refuse_other_distributions()
+        devices, run = self.devices, self.steps * self.m
+        stacked = batch_sharded(_stacked(whole, devices, self.steps, self.m), axis=1)
+        (totals, carried), outputs = jax.lax.scan(body, (totals, carried), stacked)
+        last = None
         if self.rest:
-            carried, parts, last = micro(carried, _rows(whole, steps * m, size))
+            carried, parts, last = micro(carried, batch_sharded(_rest(whole, devices, run)))
             totals = tree.map_structure(jnp.add, totals, parts)
-            outputs = tree.map_structure(lambda a, b: jnp.concatenate([a, b]), outputs, last)
-        return totals, carried, outputs
+        return totals, carried, batch_sharded(_in_order(outputs, last, devices))
 
 
 def train_step(model, micro_batch_size, state, data):
@@ -268,15 +295,83 @@ def batch_size_of(data) -> int:
     )
 
 
-def _stacked(data, steps, m):
-    """The first `steps * m` rows of each array, as `steps` micro-batches of `m`."""
-    return tree.map_structure(
-        lambda t: None if t is None else t[: steps * m].reshape((steps, m, *t.shape[1:])), data
-    )
+def _stacked(data, devices, steps, m):
+    """The first `steps * m` rows of each device's share of each array, as `steps`
+    micro-batches of `devices * m` rows (`Split`'s order)."""
+
+    def stacked(t):
+        t = _by_device(t, devices)[:, : steps * m]
+        t = t.reshape((devices, steps, m, *t.shape[2:]))
+        return jnp.swapaxes(t, 0, 1).reshape((steps, devices * m, *t.shape[3:]))
+
+    return tree.map_structure(lambda t: None if t is None else stacked(t), data)
 
 
-def _rows(data, start, stop):
-    return tree.map_structure(lambda t: None if t is None else t[start:stop], data)
+def _rest(data, devices, start):
+    """The rows of each device's share of each array from `start` on, in device order."""
+
+    def rest(t):
+        t = _by_device(t, devices)[:, start:]
+        return t.reshape((-1, *t.shape[2:]))
+
+    return tree.map_structure(lambda t: None if t is None else rest(t), data)
+
+
+def _in_order(stacked, last, devices):
+    """The outputs of the micro-batches (`stacked` by `jax.lax.scan`, then those of
+    the `last` one, or None) as the batch's rows, in order."""
+
+    def ordered(runs, rest=None):
+        runs = runs.reshape((runs.shape[0], devices, -1, *runs.shape[2:]))
+        rows = jnp.swapaxes(runs, 0, 1).reshape((devices, -1, *runs.shape[3:]))
+        if rest is not None:
+            rows = jnp.concatenate([rows, _by_device(rest, devices)], axis=1)
+        return rows.reshape((-1, *rows.shape[2:]))
+
+    if last is None:
+        return tree.map_structure(ordered, stacked)
+    return tree.map_structure(ordered, stacked, last)
+
+
+def _by_device(t, devices):
+    """`t` as `devices` shares of its rows (axis 0: the device)."""
+    return t.reshape((devices, t.shape[0] // devices, *t.shape[1:]))
+
+
+def batch_devices() -> int:
+    """The number of devices the `keras.distribution` splits the batch over (1 without one)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    return mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
+
+
+def batch_sharded(data, axis=0):
+    """`data` with `axis` of each array split over the devices of the
+    `keras.distribution`'s batch axis, as Keras splits the batch (unchanged
+    without one).
+
+    Placed so (the stacked micro-batches along their second axis, the last
+    one and the outputs along their first), each device holds its own rows
+    of each micro-batch (`Split`'s order). XLA finds the same placement from
+    the batch's for these reshapes; the constraint keeps it so. (Micro-batches
+    cut as runs of the whole batch's rows were gathered onto every device, an
+    `all-gather` of the rows, and each device ran every micro-batch whole.)
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return data
+
+    def place(t):
+        if t is None:
+            return None
+        axes = [None] * t.ndim
+        axes[axis] = distribution.batch_dim_name
+        layout = keras.distribution.TensorLayout(axes, distribution.device_mesh)
+        return keras.distribution.distribute_tensor(t, layout)
+
+    return tree.map_structure(place, data)
 
 
 def _zero_parts(model, trainable):
