@@ -25,6 +25,7 @@ from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
 from keras_memopt._remat import segments as _segments  # noqa: E402
 from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
+from keras_memopt._step.jax_custom_steps import JaxCustomSteps, warned_when_whole  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
 from keras_memopt.remat import Remat, check_target, validate_remat  # noqa: E402
 
@@ -44,7 +45,7 @@ _NOT_ON_JAX = {
 }
 
 
-class AccumulatingModel(keras.Model):
+class AccumulatingModel(JaxCustomSteps, keras.Model):
     """A `keras.Model` whose train step accumulates gradients over micro-batches (JAX).
 
     The batch that the input pipeline delivers is the *effective* batch. The
@@ -68,6 +69,10 @@ class AccumulatingModel(keras.Model):
     holds a part of every device's share, each device running its own rows.
     The update, loss and metrics are those of the same model on one device.
 
+    A custom `train_step(self, state, data)` takes its gradients over the
+    micro-batches with `self.accumulate_gradients(loss_fn, data, variables,
+    state=...)`, where Keras's guide calls `jax.value_and_grad`.
+
     `remat=[layer names]` cuts a functional model after each named layer
     and, in training, recomputes every segment but the last in the backward
     pass (`jax.checkpoint`, through `keras_memopt.Remat`): the same weights
@@ -81,8 +86,10 @@ class AccumulatingModel(keras.Model):
     other than weight regularisers and Keras's L1, L2 and L1L2 activity
     regularisers on a functional model's layers (`add_loss`; also where it is
     split), an overridden `compute_loss`, a `keras.distribution` other than
-    `DataParallel` (`ModelParallel`), and an optimizer with its own
-    `gradient_accumulation_steps`.
+    `DataParallel` (`ModelParallel`), an optimizer with its own
+    `gradient_accumulation_steps`, and `accumulate_gradients`'s `forward`
+    and loss-scale optimizers (the first step's check of a custom `loss_fn`
+    does not run on JAX).
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch
@@ -251,7 +258,9 @@ class AccumulatingModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is None or force:
             super().make_train_function(force)
-            self.train_function = jax_step.restored_on_refusal(self, self.train_function)
+            self.train_function = warned_when_whole(
+                self, jax_step.restored_on_refusal(self, self.train_function)
+            )
         return self.train_function
 
     def make_test_function(self, force=False):
@@ -268,6 +277,7 @@ class AccumulatingModel(keras.Model):
 
     # A batch of one micro-batch runs Keras's own step (traced per batch shape).
     def train_step(self, state, data):
+        self._splits_in_step = True  # a custom step calling this one splits its batch
         if not jax_step.splits(self.micro_batch_size_for, data):
             return super().train_step(state, data)
         return jax_step.train_step(self, self.micro_batch_size_for, state, data)

@@ -60,6 +60,33 @@ def build(cls, batch_norm, split):
     return model
 
 
+class CustomStep:
+    '''Keras's guide's custom step: its gradients through `accumulate_gradients` on an
+    AccumulatingModel, `jax.value_and_grad` on a plain model; it logs a figure of the
+    whole batch's outputs that depends on their order.'''
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+
+        def loss_fn(values, micro_batch, non_trainable):
+            x, y, w = micro_batch
+            y_pred, non_trainable = self.stateless_call(values, non_trainable, x, training=True)
+            per_sample = keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True)
+            return (per_sample * w).mean(), (y_pred, non_trainable)
+
+        if isinstance(self, AccumulatingModel):
+            (loss, (y_pred, non_trainable)), grads = self.accumulate_gradients(
+                loss_fn, data, trainable, state=non_trainable)
+        else:
+            (loss, (y_pred, non_trainable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                trainable, data, non_trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        ordered = (y_pred[:, 0] * np.arange(1, y_pred.shape[0] + 1)).sum()
+        return ({"loss": loss, "ordered": ordered},
+                (trainable, non_trainable, optimizer_variables, metrics_variables))
+
+
 def run(cls, devices, batch_norm=False, order=None, **split):
     rng = np.random.default_rng(0)
     x, y, w = rng.normal(size=(40, 8)), rng.integers(0, 3, 40), rng.uniform(0.1, 2.0, 40)
@@ -75,7 +102,7 @@ def run(cls, devices, batch_norm=False, order=None, **split):
                             verbose=0).history
         result = {"history": history, "weights": [w.tolist() for w in model.get_weights()],
                   "seen": list(SEEN)}
-        if not batch_norm:  # the same split, without the time of two more compilations
+        if not (batch_norm or issubclass(cls, CustomStep)):  # without two more compilations
             result["evaluated"] = model.evaluate(x, y, sample_weight=w, batch_size=20, verbose=0)
             result["predicted"] = model.predict(x, batch_size=20, verbose=0).tolist()
     finally:
@@ -94,6 +121,9 @@ results["even/2"] = run(AccumulatingModel, 2, micro_batch_size=5)
 results["batch_norm/2"] = run(AccumulatingModel, 2, True, micro_batch_size=5)
 results["batch_norm/1"] = run(AccumulatingModel, 1, True, micro_batch_size=10, order=[
     *range(0, 5), *range(10, 15), *range(5, 10), *range(15, 20)])
+results["custom_plain/2"] = run(type("Plain", (CustomStep, keras.Model), {}), 2)
+results["custom/2"] = run(type("Custom", (CustomStep, AccumulatingModel), {}), 2,
+                          micro_batch_size=3)
 print(json.dumps(results))
 """
 
@@ -124,6 +154,10 @@ class TestDataParallel:
     @pytest.mark.parametrize("split", ["rest", "even"])
     def test_matches_plain_keras_under_it_at_the_whole_batch(self, runs, split):
         _assert_same(runs[f"{split}/2"], runs["plain/2"])
+
+    def test_a_custom_step_through_accumulate_gradients(self, runs):
+        _assert_same(runs["custom/2"], runs["custom_plain/2"])
+        assert runs["custom/2"]["seen"] == [[6, False], [2, False]]
 
     def test_matches_the_same_model_on_one_device(self, runs):
         _assert_same(runs["rest/2"], runs["rest/1"])

@@ -57,18 +57,8 @@ class CustomSteps:
         run = self._run
         run.accumulating = False
         outputs = self.train_step(data)
-        cls = type(self)
-        if not run.accumulating and run.setting.splits() and cls not in _WARNED_CUSTOM_STEPS:
-            _WARNED_CUSTOM_STEPS.add(cls)
-            _warn_at(
-                cls.train_step,
-                f"{cls.__name__}.train_step runs the whole batch at once: it calls "
-                "neither `self.accumulate_gradients(...)` nor "
-                "`super().train_step(data)`, so the micro-batch setting "
-                f"(micro_batch_size={self.micro_batch_size!r}, accumulation_steps="
-                f"{self.accumulation_steps!r}) saves no memory. Compute the "
-                "gradients with `self.accumulate_gradients(loss_fn, data, variables)`.",
-            )
+        if not run.accumulating and run.setting.splits():
+            warn_whole_batch_step(self, "super().train_step(data)")
         return outputs
 
     def _check_custom_loss(self, data):
@@ -219,6 +209,24 @@ class CustomSteps:
 
         folds = ("sum", _loop.gradient_folds(variables))
         return _loop.accumulate(micro_step, data, size, jit_compile=jit, reductions=folds)
+
+
+def warn_whole_batch_step(model, own_step):
+    """Warns, once per class, that `model`'s custom `train_step` split nothing: it
+    called neither `accumulate_gradients` nor the model's own step (`own_step`,
+    as the backend's step is called), though its micro-batch setting splits."""
+    cls = type(model)
+    if cls in _WARNED_CUSTOM_STEPS:
+        return
+    _WARNED_CUSTOM_STEPS.add(cls)
+    _warn_at(
+        cls.train_step,
+        f"{cls.__name__}.train_step runs the whole batch at once: it calls "
+        f"neither `self.accumulate_gradients(...)` nor `{own_step}`, so the "
+        f"micro-batch setting (micro_batch_size={model.micro_batch_size!r}, "
+        f"accumulation_steps={model.accumulation_steps!r}) saves no memory. Compute "
+        "the gradients with `self.accumulate_gradients(loss_fn, data, variables)`.",
+    )
 
 
 def _warn_at(function, message):
