@@ -3,8 +3,8 @@
 `import keras_memopt` imports the whole public API, TensorFlow included, so that `AccumulatingModel`
 and `Remat` are registered before `keras.models.load_model` needs them. Run as the `keras-memopt`
 command, it loads its names on first use (PEP 562), so that `--help` returns at once. On JAX
-(`KERAS_BACKEND=jax`) it exports the JAX step's `AccumulatingModel` and `Remat`; the other names say
-they are TensorFlow's when asked for."""
+(`KERAS_BACKEND=jax`) it exports the JAX step's `AccumulatingModel`, `Remat` and `callbacks`
+(`OOMBackoff`, `MemoryLogger`); the other names say they are TensorFlow's when asked for."""
 
 import os as _os
 import sys as _sys
@@ -63,9 +63,10 @@ if _launched_as_command():
         raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
 
 elif _keras_backend() == "jax":
-    # Keras 3 on JAX: the JAX step's `AccumulatingModel` and `Remat` (its call
-    # under `jax.checkpoint`); the rest of the API is TensorFlow's and not
-    # there yet (issue 56).
+    # Keras 3 on JAX: the JAX step's `AccumulatingModel`, `Remat` (its call
+    # under `jax.checkpoint`) and the callbacks that run there; the rest of the
+    # API is TensorFlow's and not there yet (issue 56).
+    from keras_memopt import callbacks  # noqa: F401  (a module of the API)
     from keras_memopt.jax_models import AccumulatingModel
     from keras_memopt.remat import Remat
 
@@ -76,7 +77,8 @@ elif _keras_backend() == "jax":
             raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
         raise AttributeError(
             f"keras_memopt.{name} is not available on the JAX backend yet: on JAX, "
-            "keras_memopt has `AccumulatingModel` and `Remat` only. Use the TensorFlow backend "
+            "keras_memopt has `AccumulatingModel`, `Remat` and `callbacks.OOMBackoff` and "
+            "`callbacks.MemoryLogger` only. Use the TensorFlow backend "
             f"(KERAS_BACKEND=tensorflow) for it. Received: {name!r}"
         )
 

@@ -22,10 +22,12 @@ if _keras.BACKEND != "jax":
     )
 
 from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
+from keras_memopt._oom import run_settings as _run_settings  # noqa: E402
+from keras_memopt._oom.jax_runner import StepFunctions  # noqa: E402
 from keras_memopt._remat import segments as _segments  # noqa: E402
 from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
-from keras_memopt._step.jax_custom_steps import JaxCustomSteps, warned_when_whole  # noqa: E402
+from keras_memopt._step.jax_custom_steps import JaxCustomSteps  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
 from keras_memopt.remat import Remat, check_target, validate_remat  # noqa: E402
 
@@ -78,6 +80,11 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     pass (`jax.checkpoint`, through `keras_memopt.Remat`): the same weights
     and figures, less activation memory.
 
+    `keras_memopt.callbacks.OOMBackoff` backs it off on XLA's
+    `RESOURCE_EXHAUSTED` (the same batch again at a smaller micro-batch, the
+    state untouched by the failed attempt), and `MemoryLogger` reads JAX's
+    memory figures; see "On JAX" in docs/oom-backoff.md and docs/memory.md.
+
     Not yet on JAX (refused, naming the feature, before any update):
     `remat="auto"`, `replica_shares`, `devices`, `device_cuts`,
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
@@ -105,6 +112,13 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             TensorFlow line; `"auto"` not yet on JAX). Defaults to None.
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
+
+    Attributes:
+        oom_policy: the out-of-memory policy the steps follow, or None (an
+            out-of-memory error then reaches the caller as in plain Keras).
+            `OOMBackoff` sets its own for the length of `fit`, `evaluate` or
+            `predict`; the one before is back when the call ends, also when
+            it raises.
 
     Example:
 
@@ -157,6 +171,8 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         super().__init__(*args, **kwargs)
         self._split = split
         self._recomputation = _Recomputation(self, remat)
+        self._steps = StepFunctions(self)  # a plain holder: Keras does not track it
+        self.oom_policy = None
 
     @classmethod
     def from_model(
@@ -204,7 +220,8 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     def _set_split(self, value, name, other):
         _validation.check_one_split(self, name, value, other)
         self._split = _validated_split(**{name: value, other: None})
-        # A micro-batch size is a static shape: the steps are compiled anew.
+        # A micro-batch size is a static shape: the step functions look up the
+        # compiled steps of this setting (compiled at their first step, kept).
         self._retrace()
 
     def _retrace(self):
@@ -237,6 +254,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         value = _validated_remat(value)
         check_target(value, isinstance(self, _keras.Functional), self)
         self._recomputation = _Recomputation(self, value)
+        self._steps.forget()
         self._retrace()
 
     @property
@@ -252,28 +270,40 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         check_reduction(loss, whole_batch_loss=False)
         _refuse_unsupported(self, optimizer, loss)
         super().compile(*args, **kwargs)
+        self._steps.forget()
 
-    # Each step function puts the model's state back when the step is refused while
+    # The step functions (`keras_memopt._oom.jax_runner`) keep each micro-batch
+    # setting's compiled step and retry a step out of memory where a policy is
+    # attached; each puts the model's state back when the step is refused while
     # traced (Keras's JAX loops take the state out of the variables first).
     def make_train_function(self, force=False):
-        if self.train_function is None or force:
-            super().make_train_function(force)
-            self.train_function = warned_when_whole(
-                self, jax_step.restored_on_refusal(self, self.train_function)
-            )
-        return self.train_function
+        return self._make_function("train", force)
 
     def make_test_function(self, force=False):
-        if self.test_function is None or force:
-            super().make_test_function(force)
-            self.test_function = jax_step.restored_on_refusal(self, self.test_function)
-        return self.test_function
+        return self._make_function("test", force)
 
     def make_predict_function(self, force=False):
-        if self.predict_function is None or force:
-            super().make_predict_function(force)
-            self.predict_function = jax_step.restored_on_refusal(self, self.predict_function)
-        return self.predict_function
+        return self._make_function("predict", force)
+
+    def _make_function(self, kind, force):
+        name = f"{kind}_function"
+        if getattr(self, name) is None or force:
+            setattr(self, name, jax_step.restored_on_refusal(self, self._steps.function(kind)))
+        return getattr(self, name)
+
+    # `fit`, `evaluate` and `predict` leave `oom_policy` (which `OOMBackoff`
+    # sets for their length) as they found it, however they end.
+    def fit(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _run_settings.kept(self):
+            return super().predict(*args, **kwargs)
 
     # A batch of one micro-batch runs Keras's own step (traced per batch shape).
     def train_step(self, state, data):

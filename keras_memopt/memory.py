@@ -13,6 +13,8 @@ from keras_memopt._memory.allocator import (
     canonical_device,
     default_device,
     device_tag,
+    jax_device,
+    on_jax,
     reset_step_peak,
     start_peak_window,
     step_peak,
@@ -34,7 +36,11 @@ __all__ = [
 
 def device_total(device: str) -> int | None:
     """The bytes TensorFlow's allocator may hand out on `device` (a logical GPU's limit, else
-    its NVML total; the CPU BFC allocator's limit), or None."""
+    its NVML total; the CPU BFC allocator's limit; on JAX, its `bytes_limit`), or None."""
+    if on_jax():
+        device = jax_device(device)
+        stats = device.memory_stats() if device is not None else None
+        return (stats or {}).get("bytes_limit")
     import tensorflow as tf
 
     kind, index = canonical_device(device).split(":")
@@ -183,10 +189,7 @@ class MemoryReader:
     def devices(self) -> list[str]:
         """The logical devices whose allocator figures are read."""
         if self._devices is None:
-            import tensorflow as tf
-
-            gpus = tf.config.list_logical_devices("GPU")
-            self._devices = [canonical_device(d.name) for d in gpus] or ["CPU:0"]
+            self._devices = _gpu_names() or ["CPU:0"]
         return list(self._devices)
 
     def _allocator(self, device):
@@ -194,7 +197,13 @@ class MemoryReader:
             return None
         info = allocator_memory(device)
         self._allocator_ok[device] = info is not None
-        if info is None:
+        if info is None and on_jax():
+            self.unavailable[f"allocator {device}"] = (
+                f"JAX gives no memory figures for {device} (`memory_stats()` is None, as "
+                "on its CPU client); the process's resident set size "
+                "(`memory_host_rss_mib`) is recorded."
+            )
+        elif info is None:
             self.unavailable[f"allocator {device}"] = (
                 f"TensorFlow's allocator gives no memory figures for {device}. "
                 "On a CPU, set TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts "
@@ -213,7 +222,7 @@ class MemoryReader:
                 reason = f"no NVML figures: {error}."
             else:
                 reason = "NVML finds no GPUs."
-            if not self._nvml_handles and _tensorflow_sees_a_gpu():
+            if not self._nvml_handles and _sees_a_gpu():
                 self.unavailable["nvml"] = reason
         figures = {}
         for index, handle in enumerate(self._nvml_handles):
@@ -244,7 +253,27 @@ class MemoryReader:
                 start_peak_window(device)
 
 
-def _tensorflow_sees_a_gpu() -> bool:
+def _jax_gpus() -> list:
+    import jax
+
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        return []
+
+
+def _gpu_names() -> list[str]:
+    """The logical GPUs (on JAX: JAX's, with TensorFlow's GPU runtime left unstarted)."""
+    if on_jax():
+        return [f"GPU:{index}" for index in range(len(_jax_gpus()))]
+    import tensorflow as tf
+
+    return [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+
+
+def _sees_a_gpu() -> bool:
+    if on_jax():
+        return bool(_jax_gpus())
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))

@@ -32,3 +32,14 @@ def losses_replaced(model, terms):
 def called_once(layer) -> bool:
     """Whether `layer` is called once in the functional graph it belongs to."""
     return len(layer._inbound_nodes) == 1
+
+
+def state_shardings(model, kind):
+    """The shardings of the state a `kind` step returns under a `keras.distribution`,
+    as Keras's JAX trainer gives them to `jax.jit` (`out_shardings`)."""
+    trainable, non_trainable, optimizer, metrics = model._get_state_sharding_spec()
+    return {
+        "train": (trainable, non_trainable, optimizer, metrics),
+        "test": (trainable, non_trainable, metrics),
+        "predict": (trainable, non_trainable),
+    }[kind]

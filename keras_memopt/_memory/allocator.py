@@ -1,9 +1,39 @@
 """TensorFlow's allocator figures per device: bytes in use and the peak (which CPUs have them:
 docs/memory.md). The train step measures its own peak (`reset_step_peak`, `step_peak`); a
-reader's peak (`allocator_memory`) still counts what that reset away. Importing this module
-does not import TensorFlow."""
+reader's peak (`allocator_memory`) still counts what that reset away. On Keras 3's JAX backend
+the figures are JAX's (`memory_stats()`: a GPU's; none on its CPU client; a peak since the process
+started, which JAX cannot reset), and TensorFlow's allocator is not read (that would start its GPU
+runtime beside JAX's). Importing this module does not import TensorFlow."""
 
 from __future__ import annotations
+
+
+def on_jax() -> bool:
+    """Whether Keras runs on JAX, whose own figures are read then."""
+    from keras_memopt._keras import BACKEND
+
+    return BACKEND == "jax"
+
+
+def jax_device(device: str):
+    """JAX's device for a logical device name (`"GPU:0"`: JAX's first GPU), or None."""
+    import jax
+
+    kind, index = canonical_device(device).split(":")
+    try:
+        devices = jax.devices(kind.lower())
+    except RuntimeError:  # no backend of that kind
+        return None
+    return devices[int(index)] if int(index) < len(devices) else None
+
+
+def _jax_memory(device):
+    found = jax_device(device)
+    stats = found.memory_stats() if found is not None else None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    current = stats["bytes_in_use"]
+    return dict(device=device, current=current, peak=stats.get("peak_bytes_in_use", current))
 
 
 def _device_spec(device):
@@ -25,7 +55,11 @@ def canonical_device(device: str) -> str:
 
 
 def default_device() -> str:
-    """The first logical GPU, else `"CPU:0"`."""
+    """The first logical GPU, else `"CPU:0"` (on JAX: its default device)."""
+    if on_jax():
+        import jax
+
+        return f"{jax.devices()[0].platform.upper()}:0"
     import tensorflow as tf
 
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
@@ -34,9 +68,11 @@ def default_device() -> str:
 def allocator_memory(device: str | None = None) -> dict | None:
     """`{"device", "current", "peak"}` bytes of TensorFlow's allocator on `device` (default:
     the first GPU, else `"CPU:0"`), or None where the device gives no figures (docs/memory.md)."""
+    device = device or default_device()
+    if on_jax():
+        return _jax_memory(device)
     import tensorflow as tf
 
-    device = device or default_device()
     try:
         info = tf.config.experimental.get_memory_info(device)
     except (ValueError, RuntimeError, tf.errors.OpError):
@@ -53,12 +89,13 @@ _PEAKS_RESET_AWAY: dict[str, int] = {}
 
 def reset_step_peak(device: str) -> int | None:
     """Starts a new peak window on `device` for one step (the peak before kept for
-    `allocator_memory`); returns its current bytes, or None without figures."""
+    `allocator_memory`); returns its current bytes, or None without figures (on JAX, whose
+    peak cannot be reset, only the current bytes)."""
     import tensorflow as tf
 
     info = allocator_memory(device)
-    if info is None:
-        return None
+    if info is None or on_jax():
+        return None if info is None else info["current"]
     key = canonical_device(device)
     _PEAKS_RESET_AWAY[key] = max(_PEAKS_RESET_AWAY.get(key, 0), info["peak"])
     tf.config.experimental.reset_memory_stats(device)
@@ -66,7 +103,9 @@ def reset_step_peak(device: str) -> int | None:
 
 
 def step_peak(device: str) -> int | None:
-    """The allocator's peak on `device` since `reset_step_peak`, or None."""
+    """The allocator's peak on `device` since `reset_step_peak`, or None (on JAX)."""
+    if on_jax():
+        return None
     import tensorflow as tf
 
     try:
@@ -76,7 +115,9 @@ def step_peak(device: str) -> int | None:
 
 
 def start_peak_window(device: str):
-    """Starts a reader's new peak window on `device` (one that has figures)."""
+    """Starts a reader's new peak window on `device` (one that has figures; not on JAX)."""
+    if on_jax():
+        return
     import tensorflow as tf
 
     _PEAKS_RESET_AWAY.pop(canonical_device(device), None)

@@ -8,14 +8,13 @@ docs/oom-backoff.md."""
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from keras_memopt import _io
 from keras_memopt._oom.errors import (
     OutOfMemory,
     Phase,
     allocation_bytes,
     allocation_note,
+    exhausted,
     parse_oom,
     report,
 )
@@ -50,12 +49,13 @@ class BackoffPolicy:
 
     def back_off(self, model, failure: OutOfMemory):
         """Sets the micro-batch size to retry with after `failure` (the step put back), or
-        raises the report (`ResourceExhaustedError`) where a smaller one cannot help."""
+        raises the report (`ResourceExhaustedError`; on JAX, XLA's `JaxRuntimeError`) where a
+        smaller one cannot help."""
         message = self.refusal(failure)
         if message is not None:
             # Not raised from the error: its traceback would hold the failed
             # attempt's frames (the message gives its text).
-            raise tf.errors.ResourceExhaustedError(None, None, message)
+            raise exhausted(message)
         current = failure.micro_batch_size
         # Per-replica sizes all shrink: the failed step does not say which
         # replica's memory ran out.

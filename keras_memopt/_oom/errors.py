@@ -18,10 +18,12 @@ import contextlib
 import dataclasses
 import enum
 import re
+import sys
 import traceback
 
 import tensorflow as tf
 
+from keras_memopt._keras import BACKEND
 from keras_memopt._step.scopes import (
     GRADIENT_SUM_SCOPE,
     UPDATE_RESERVATION_OP,
@@ -63,6 +65,9 @@ def is_oom(error: BaseException) -> bool:
       exhaustion, or "Dst tensor is not initialized" (a copy to a device
       whose destination could not be allocated; reported on GPUs).
 
+    On JAX, XLA reports it as a `jax.errors.JaxRuntimeError` whose message
+    begins `RESOURCE_EXHAUSTED:` (when a step is compiled or when it runs).
+
     Example:
 
     ```python
@@ -76,7 +81,7 @@ def is_oom(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, tf.errors.ResourceExhaustedError):
+        if isinstance(error, tf.errors.ResourceExhaustedError) or _xla_exhausted(error):
             return True
         message = str(error).lower()
         if isinstance(error, (tf.errors.UnknownError, tf.errors.InternalError)):
@@ -87,6 +92,30 @@ def is_oom(error: BaseException) -> bool:
                 return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _xla_exhausted(error) -> bool:
+    """Whether `error` is XLA's out-of-memory error as JAX raises it."""
+    jax = sys.modules.get("jax")  # only where JAX is in use: nothing imported for it
+    return (
+        jax is not None
+        and isinstance(error, jax.errors.JaxRuntimeError)
+        and str(error).lstrip().startswith("RESOURCE_EXHAUSTED")
+    )
+
+
+def exhausted(message: str) -> Exception:
+    """The error that reports, with `message`, an out-of-memory error that ends a step.
+
+    TensorFlow's `tf.errors.ResourceExhaustedError`; on Keras 3's JAX backend
+    the type XLA raises there, `jax.errors.JaxRuntimeError`, its message
+    beginning `RESOURCE_EXHAUSTED:` as XLA's does.
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {message}")
+    return tf.errors.ResourceExhaustedError(None, None, message)
 
 
 def parse_oom(message: str) -> dict:
@@ -327,7 +356,10 @@ _MICRO_BATCH_ADVICE = [
     "halves activation memory;",
     "a smaller model (fewer or narrower layers) or smaller inputs;",
     "on a GPU, if memory is fragmented (much is free but no large block), start "
-    "Python with `TF_GPU_ALLOCATOR=cuda_malloc_async`.",
+    "Python with `TF_GPU_ALLOCATOR=cuda_malloc_async`."
+    if BACKEND != "jax" else
+    "on a GPU, JAX hands XLA 75% of its memory by default: "
+    "`XLA_PYTHON_CLIENT_MEM_FRACTION=.95` before JAX starts hands it more.",
 ]
 _STATE_ADVICE = [
     "an optimizer that keeps less state per weight: plain SGD keeps none, SGD with "

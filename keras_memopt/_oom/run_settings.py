@@ -10,10 +10,14 @@ import contextlib
 
 @contextlib.contextmanager
 def kept(model):
-    """Puts back `model.oom_policy` and `micro_batch_jit_compile` as they were on entry."""
-    policy, jit = model.oom_policy, model.micro_batch_jit_compile
+    """Puts back `model.oom_policy` and `micro_batch_jit_compile` (where the model
+    has it: not on JAX, whose steps are always XLA's) as they were on entry."""
+    policy = model.oom_policy
+    has_jit = hasattr(model, "micro_batch_jit_compile")
+    jit = model.micro_batch_jit_compile if has_jit else None
     try:
         yield
     finally:
         model.oom_policy = policy
-        model.micro_batch_jit_compile = jit  # retraces only where it changed
+        if has_jit:
+            model.micro_batch_jit_compile = jit  # retraces only where it changed

@@ -65,7 +65,7 @@ def restored_on_refusal(model, step_function):
         try:
             return step_function(state, iterator)
         except Refused:
-            _jax.put_state_back(model, _STATE_NAMES[len(state)], state)
+            put_back(model, state)
             raise
 
     return checked
@@ -83,6 +83,12 @@ def refuse_other_distributions():
         "shards the weights) are not supported on JAX yet. Use DataParallel, or the "
         f"TensorFlow backend's strategies. Received: distribution={distribution!r}"
     )
+
+
+def put_back(model, state):
+    """Puts a step's `state` (Keras's JAX loops take it out of the variables) back
+    into the model's variables."""
+    _jax.put_state_back(model, _STATE_NAMES[len(state)], state)
 
 
 def splits(micro_batch_size, data) -> bool:

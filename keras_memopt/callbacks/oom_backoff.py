@@ -76,6 +76,15 @@ class OOMBackoff(keras.callbacks.Callback):
             recovered from. With `jit_compile="auto"` resolving to XLA (as on
             GPUs), OOMBackoff runs the micro-batches without XLA while it is
             attached.
+
+    On Keras 3's JAX backend it backs off the JAX `AccumulatingModel` the same
+    way, with the same policy, messages and `logs` key: XLA's
+    `RESOURCE_EXHAUSTED` error (when a step is compiled or run) is caught, the
+    same batch runs again at the smaller micro-batch (each size is compiled
+    once and kept), and where no smaller micro-batch helps the report is a
+    `jax.errors.JaxRuntimeError`. While it is attached, the steps keep their
+    input state (no buffer donation), which costs the state's bytes once more
+    at a step's end; see "On JAX" in docs/oom-backoff.md.
     """
 
     def __init__(
@@ -108,7 +117,10 @@ class OOMBackoff(keras.callbacks.Callback):
     # -- attaching to the model --------------------------------------------------------
 
     def _attach(self):
-        from keras_memopt.models import AccumulatingModel
+        if _keras.BACKEND == "jax":
+            from keras_memopt.jax_models import AccumulatingModel
+        else:
+            from keras_memopt.models import AccumulatingModel
 
         model = self.model
         if not isinstance(model, AccumulatingModel):
@@ -125,7 +137,8 @@ class OOMBackoff(keras.callbacks.Callback):
         # `fit`): the model puts back the policy and XLA when it ends, however
         # it ends (`keras_memopt._oom.run_settings`), the one owner of that.
         if model.oom_policy is not self.policy:
-            if model.micro_batch_jit_compile:
+            # On JAX every step is XLA's, and XLA's runtime there recovers.
+            if getattr(model, "micro_batch_jit_compile", False):
                 self._leave_xla(model)
             model.oom_policy = self.policy
 
