@@ -56,13 +56,20 @@ class StepFunctions:
     def __init__(self, model):
         self.model = model
         self._compiled = {}
+        self._shardings = {}
 
     def forget(self):
         """Drops every compiled step: what a step traces has changed (`compile`, `remat`)."""
         self._compiled.clear()
+        self._shardings.clear()
 
     def function(self, kind):
         """`model.<kind>_function(state, iterator)`: up to `steps_per_execution` steps."""
+        if kind not in self._shardings and keras.distribution.distribution() is not None:
+            # Read, as Keras reads them, while the variables hold their values
+            # (`fit` takes them out before its first step, and a backoff makes
+            # the function anew in the middle of it).
+            self._shardings[kind] = _jax.state_shardings(self.model, kind)
 
         def step_function(state, iterator):
             outputs = []
@@ -125,10 +132,10 @@ class StepFunctions:
             # is this key's: it is looked up by the setting in use.
             step = _step_function(model, kind)
             if model.jit_compile and not model.run_eagerly:
-                shardings = None  # as Keras's own steps: the state's, under a distribution
-                if keras.distribution.distribution() is not None:
-                    shardings = (None, _jax.state_shardings(model, kind))
-                step = jax.jit(step, donate_argnums=0 if donate else (), out_shardings=shardings)
+                # As Keras's own steps: the state's shardings, under a distribution.
+                shardings = self._shardings.get(kind)
+                step = jax.jit(step, donate_argnums=0 if donate else (),
+                               out_shardings=None if shardings is None else (None, shardings))
             if kind == "train":  # warned at its first call, which traces it
                 step = warned_when_whole(model, step)
             self._compiled[key] = step
