@@ -13,7 +13,6 @@ from keras_memopt._memory.allocator import (
     canonical_device,
     default_device,
     device_tag,
-    jax_device,
     on_jax,
     reset_step_peak,
     start_peak_window,
@@ -38,9 +37,9 @@ def device_total(device: str) -> int | None:
     """The bytes TensorFlow's allocator may hand out on `device` (a logical GPU's limit, else
     its NVML total; the CPU BFC allocator's limit; on JAX, its `bytes_limit`), or None."""
     if on_jax():
-        device = jax_device(device)
-        stats = device.memory_stats() if device is not None else None
-        return (stats or {}).get("bytes_limit")
+        from keras_memopt._memory import jax_memory
+
+        return jax_memory.stats(canonical_device(device)).get("bytes_limit")
     import tensorflow as tf
 
     kind, index = canonical_device(device).split(":")
@@ -253,19 +252,12 @@ class MemoryReader:
                 start_peak_window(device)
 
 
-def _jax_gpus() -> list:
-    import jax
-
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:  # no GPU backend
-        return []
-
-
 def _gpu_names() -> list[str]:
     """The logical GPUs (on JAX: JAX's, with TensorFlow's GPU runtime left unstarted)."""
     if on_jax():
-        return [f"GPU:{index}" for index in range(len(_jax_gpus()))]
+        from keras_memopt._memory import jax_memory
+
+        return [f"GPU:{index}" for index in range(len(jax_memory.gpus()))]
     import tensorflow as tf
 
     return [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
@@ -273,7 +265,9 @@ def _gpu_names() -> list[str]:
 
 def _sees_a_gpu() -> bool:
     if on_jax():
-        return bool(_jax_gpus())
+        from keras_memopt._memory import jax_memory
+
+        return bool(jax_memory.gpus())
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))

@@ -15,27 +15,6 @@ def on_jax() -> bool:
     return BACKEND == "jax"
 
 
-def jax_device(device: str):
-    """JAX's device for a logical device name (`"GPU:0"`: JAX's first GPU), or None."""
-    import jax
-
-    kind, index = canonical_device(device).split(":")
-    try:
-        devices = jax.devices(kind.lower())
-    except RuntimeError:  # no backend of that kind
-        return None
-    return devices[int(index)] if int(index) < len(devices) else None
-
-
-def _jax_memory(device):
-    found = jax_device(device)
-    stats = found.memory_stats() if found is not None else None
-    if not stats or "bytes_in_use" not in stats:
-        return None
-    current = stats["bytes_in_use"]
-    return dict(device=device, current=current, peak=stats.get("peak_bytes_in_use", current))
-
-
 def _device_spec(device):
     import tensorflow as tf
 
@@ -57,9 +36,9 @@ def canonical_device(device: str) -> str:
 def default_device() -> str:
     """The first logical GPU, else `"CPU:0"` (on JAX: its default device)."""
     if on_jax():
-        import jax
+        from keras_memopt._memory import jax_memory
 
-        return f"{jax.devices()[0].platform.upper()}:0"
+        return jax_memory.default_device()
     import tensorflow as tf
 
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
@@ -70,7 +49,9 @@ def allocator_memory(device: str | None = None) -> dict | None:
     the first GPU, else `"CPU:0"`), or None where the device gives no figures (docs/memory.md)."""
     device = device or default_device()
     if on_jax():
-        return _jax_memory(device)
+        from keras_memopt._memory import jax_memory
+
+        return jax_memory.memory(canonical_device(device))
     import tensorflow as tf
 
     try:
