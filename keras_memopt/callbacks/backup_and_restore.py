@@ -23,37 +23,18 @@ def _random_variables(model):
 class _BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Backs up and restores the training state, random state included.
 
-    Keras 3's `keras.callbacks.BackupAndRestore` with two additions:
-
-    - The seed generators' states (a `Dropout`'s, the global one) are backed
-      up and restored with the weights, so that training resumed after an
-      interruption draws the same random numbers as training that was never
-      interrupted. Keras's own callback saves the weights only: a model with
-      `Dropout` resumed from it trains on with other masks.
-    - Under `MultiWorkerMirroredStrategy`, only the chief worker writes and
-      deletes the backup (Keras's own callback makes every worker write the
-      same files); every worker restores from it, so the backup directory
-      must be shared (a network file system, or one machine's disk).
-
-    When resumed training ends with the weights of training never
-    interrupted: with `save_freq="epoch"` (the default), the backup is taken
-    at the end of each epoch and training resumes at the next one. With an
-    integer `save_freq`, Keras 3 (its own callback, and so this one) keeps no
-    batch position: a resumed run restarts the interrupted epoch from its
-    first batch, from the weights of the last backup taken inside it, so the
-    batches of that epoch before the backup are trained twice (and
-    `optimizer.iterations` counts them twice).
-
-    It is what `keras-memopt run` restarts a crashed training process from.
-    On tf_keras, `keras_memopt.callbacks.BackupAndRestore` is tf_keras's own
-    callback, which already checkpoints the whole training state, writes
-    from the chief only, and with an integer `save_freq` resumes at the
-    batch after the backup.
+    Keras 3's `keras.callbacks.BackupAndRestore`, plus: the seed generators' states (a `Dropout`'s,
+    the global one) are backed up and restored with the weights, so resumed training draws the
+    random numbers of training never interrupted; under `MultiWorkerMirroredStrategy` only the
+    chief writes and deletes the backup, and every worker restores from it (a shared directory).
+    With an integer `save_freq`, Keras 3 keeps no batch position: the interrupted epoch restarts
+    from its first batch, and its batches before the backup are trained twice. It is what
+    `keras-memopt run` restarts from (docs/oom-backoff.md); on tf_keras it is tf_keras's own
+    callback, which already does all this (docs/distributed.md).
 
     Args:
         backup_dir, save_freq, double_checkpoint, delete_checkpoint: as for
-            `keras.callbacks.BackupAndRestore`; see above for an integer
-            `save_freq`.
+            `keras.callbacks.BackupAndRestore`.
 
     Example:
 

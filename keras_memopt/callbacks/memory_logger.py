@@ -19,53 +19,32 @@ __all__ = ["MemoryLogger"]
 class MemoryLogger(keras.callbacks.Callback):
     """Records memory figures while a model trains.
 
-    At the end of every epoch (and, with `every_n_batches`, every N training
-    batches) it reads, for each device, TensorFlow's allocator memory in use
-    and its peak since the previous reading (the peak is reset at the start
-    of each window), the host process's resident set size (psutil), and,
-    where `nvidia-ml-py` finds GPUs, NVML's used and total memory. Figures
-    are in MiB, named `memory_<device>_<figure>_mib` (for example
-    `memory_gpu0_peak_mib`, `memory_host_rss_mib`).
-
-    The epoch figures are written into `logs`, so `History`, `CSVLogger` and
-    `TensorBoard` record them with no extra code when they come after this
-    callback in the `callbacks` list. The logger can also write its own CSV
-    file and TensorBoard summaries (one row or point per window), and at the
-    end of training a PNG plot of the memory over time: the devices' peaks
-    on one panel, the host's RSS on another. A figure that is not available
-    (a CPU without allocator statistics, a GPU that NVML does not answer
-    for) is left out, and said once.
-
-    The allocator's figures count everything TensorFlow holds on the device,
-    not only the train step: NumPy arrays passed to `fit` become tensors
-    that the allocator holds while `fit` runs, so the peak can be well above
-    `MemoryPlanner`'s figure, which covers the train step alone.
-
-    The files are checked at the start of training, before the first step:
-    a folder that does not exist raises there. As with
-    `keras.callbacks.CSVLogger`, an existing `filename` is replaced unless
-    `append=True`, and an existing `plot` is replaced; two loggers cannot
-    write one file at the same time (a `fit` that raised holds its files no
-    longer). Nothing is written outside the paths given.
+    At the end of every epoch (and, with `every_n_batches`, every N training batches) it reads, for
+    each device, the allocator's memory in use and its peak since the previous reading, the host's
+    resident set size and, where `nvidia-ml-py` finds GPUs, NVML's used and total memory, in MiB,
+    named `memory_<device>_<figure>_mib` (e.g. `memory_gpu0_peak_mib`, `memory_host_rss_mib`).
+    The epoch figures go into `logs` (so `History`, `CSVLogger` and `TensorBoard` placed after it
+    record them); it can also write its own CSV, TensorBoard summaries and a PNG plot. A figure
+    not available is left out, and said once. As with `CSVLogger`, an existing `filename` is
+    replaced unless `append=True`; nothing is written outside the paths given. What the figures
+    count, on JAX and on a CPU: the guide's "Memory logging and planning" (docs/memory.md).
 
     Args:
-        filename: str or path, a CSV file for the logger's own rows. Defaults
-            to None (figures go into `logs` only).
-        every_n_batches: int, read every this many training batches instead
-            of once per epoch (own CSV, TensorBoard and plot; `logs` still get
-            epoch figures). An epoch shorter than that writes no row of its
-            own. Defaults to None (once per epoch).
-        devices: list of str, the logical devices to read. Defaults to every
-            GPU, or `["CPU:0"]` without GPUs.
-        tensorboard_dir: str, a directory for the logger's own TensorBoard
-            summaries (`tf.summary`). Defaults to None.
-        plot: str or path, a PNG file for the memory timeline, written at the
-            end of training; needs matplotlib (`pip install
-            "keras_memopt[plot]"`). Defaults to None.
-        append: bool, add rows to an existing `filename` instead of
-            replacing it. Defaults to False.
-        verbose: int, 1 to also print (as Keras prints its messages) where
-            figures are unavailable, 0 for warnings only. Defaults to 0.
+        filename: str or path, a CSV file for the logger's own rows. Defaults to None (figures go
+            into `logs` only).
+        every_n_batches: int, read every this many training batches instead of once per epoch
+            (own CSV, TensorBoard and plot; `logs` still get epoch figures). An epoch shorter than
+            that writes no row of its own. Defaults to None (once per epoch).
+        devices: list of str, the logical devices to read. Defaults to every GPU, or `["CPU:0"]`
+            without GPUs.
+        tensorboard_dir: str, a directory for the logger's own TensorBoard summaries
+            (`tf.summary`). Defaults to None.
+        plot: str or path, a PNG file for the memory timeline, written at the end of training;
+            needs matplotlib (`pip install "keras_memopt[plot]"`). Defaults to None.
+        append: bool, add rows to an existing `filename` instead of replacing it. Defaults to
+            False.
+        verbose: int, 1 to also print (as Keras prints its messages) where figures are
+            unavailable, 0 for warnings only. Defaults to 0.
 
     Example:
 
@@ -76,13 +55,11 @@ class MemoryLogger(keras.callbacks.Callback):
     ```
 
     Raises:
-        ValueError: if `every_n_batches` is not a positive integer, or
-            `filename` and `plot` are one file; at the start of training, if
-            the folder of `filename` or `plot` does not exist or cannot be
-            written.
+        ValueError: if `every_n_batches` is not a positive integer, or `filename` and `plot` are
+            one file; at the start of training, if the folder of `filename` or `plot` does not
+            exist or cannot be written.
         ImportError: if `plot` is given and matplotlib is not installed.
-        FileExistsError: at the start of training, if another logger is
-            writing the same file.
+        FileExistsError: at the start of training, if another logger is writing the same file.
     """
 
     def __init__(

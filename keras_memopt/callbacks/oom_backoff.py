@@ -12,46 +12,24 @@ from keras_memopt._oom.backoff import BackoffPolicy
 class OOMBackoff(keras.callbacks.Callback):
     """Shrinks the micro-batch and retries the batch when memory runs out.
 
-    Attach it to `fit` (and to `evaluate` or `predict`, which back off the
-    same way) of a `keras_memopt.AccumulatingModel`. When a step runs out of
-    device memory in a micro-batch's forward or backward pass, everything the
-    failed step changed (BatchNormalization statistics, metric state, random
-    seed state, counters) is put back as it was, `micro_batch_size` is
-    multiplied by `factor`, and the *same* batch runs again. The effective
-    batch (the batch the input pipeline delivers) never changes, so neither
-    does the result of training: no sample is lost or seen twice and
-    `optimizer.iterations` counts updates. The smaller micro-batch stays after
-    `fit` returns.
-
-    It backs off only where a smaller micro-batch needs less memory. An
-    out-of-memory error in the optimizer update, or where the gradient sum
-    itself does not fit beside the model's state, stops training at once with
-    one `tf.errors.ResourceExhaustedError` whose message names the phase and
-    the bytes the step holds (weights, optimizer state, gradient sum, a
-    micro-batch's activations as measured, the device's total) and what can
-    help there; so does an error at `min_micro_batch_size`. Either way the
-    model, its optimizer and metrics are left as they were before the
-    failed step. What the rollback keeps and costs, and what the update
-    checks before it starts, are in the user guide's page "Out-of-memory
-    backoff" (docs/oom-backoff.md).
-
-    The callback's `policy` is the model's `oom_policy` for the length of
-    `fit`, `evaluate` or `predict`; the model puts back the one before (and
-    XLA, where the callback turned it off) however the call ends. A retry
-    traces nothing. Each backoff prints one line when `verbose` is on and is
-    recorded in `backoffs`; at the end of each epoch the micro-batch its last
-    step trained with is added to `logs` as `"micro_batch_size"` (as
-    `ReduceLROnPlateau` adds `"learning_rate"`), for `History`, and for
-    `CSVLogger` and `TensorBoard` placed after this callback.
+    Attach it to `fit` (and `evaluate` or `predict`) of a `keras_memopt.AccumulatingModel`. When a
+    micro-batch's forward or backward pass runs out of device memory, what the failed step changed
+    (BatchNormalization statistics, metrics, seeds, counters) is put back, `micro_batch_size` is
+    multiplied by `factor` and the *same* batch runs again: the effective batch, and so the result
+    of training, never changes. The smaller micro-batch stays after `fit` returns. Where a smaller
+    micro-batch cannot help (the optimizer update, a gradient sum that does not fit, the minimum
+    reached) it stops with one `ResourceExhaustedError` naming the phase and the bytes held, the
+    model left as before the step. Each backoff prints a line (`verbose`) and is recorded in
+    `backoffs`; each epoch's last micro-batch is added to `logs` as `"micro_batch_size"`. On
+    Keras 3's JAX backend it works the same way (the report is a `jax.errors.JaxRuntimeError`).
+    What the rollback keeps and costs, XLA and JAX: the guide's "Out-of-memory backoff"
+    (docs/oom-backoff.md).
 
     Args:
-        factor: float in (0, 1), what the micro-batch is multiplied by at each
-            backoff (rounded down, and always at least one sample smaller).
-            Defaults to `0.5`.
-        min_micro_batch_size: int, the smallest micro-batch to try. Defaults
-            to `1`.
-        verbose: int, 0 for quiet, 1 to print a line per backoff. Defaults to
-            `1`.
+        factor: float in (0, 1), what the micro-batch is multiplied by at each backoff (rounded
+            down, and always at least one sample smaller). Defaults to `0.5`.
+        min_micro_batch_size: int, the smallest micro-batch to try. Defaults to `1`.
+        verbose: int, 0 for quiet, 1 to print a line per backoff. Defaults to `1`.
 
     Example:
 
@@ -65,26 +43,14 @@ class OOMBackoff(keras.callbacks.Callback):
     ```
 
     Raises:
-        ValueError: if `factor` is not in (0, 1) or `min_micro_batch_size` is
-            not a positive integer.
-        TypeError: at the start of `fit`, `evaluate` or `predict`, if the model
-            is not an `AccumulatingModel` (a plain `keras.Model` cannot split
-            a batch, so there is nothing to shrink).
-        ValueError: at the start of `fit`, `evaluate` or `predict`, if the
-            model was compiled with `jit_compile=True`: an out-of-memory error
-            inside XLA leaves TensorFlow's allocator corrupt, so it cannot be
-            recovered from. With `jit_compile="auto"` resolving to XLA (as on
-            GPUs), OOMBackoff runs the micro-batches without XLA while it is
-            attached.
-
-    On Keras 3's JAX backend it backs off the JAX `AccumulatingModel` the same
-    way, with the same policy, messages and `logs` key: XLA's
-    `RESOURCE_EXHAUSTED` error (when a step is compiled or run) is caught, the
-    same batch runs again at the smaller micro-batch (each size is compiled
-    once and kept), and where no smaller micro-batch helps the report is a
-    `jax.errors.JaxRuntimeError`. While it is attached, the steps keep their
-    input state (no buffer donation), which costs the state's bytes once more
-    at a step's end; see "On JAX" in docs/oom-backoff.md.
+        ValueError: if `factor` is not in (0, 1) or `min_micro_batch_size` is not a positive
+            integer.
+        TypeError: at the start of `fit`, `evaluate` or `predict`, if the model is not an
+            `AccumulatingModel` (a plain `keras.Model` cannot split a batch).
+        ValueError: at the start of `fit`, `evaluate` or `predict`, if the model was compiled with
+            `jit_compile=True` (an out-of-memory error inside TensorFlow's XLA cannot be
+            recovered from); with `jit_compile="auto"` choosing XLA, the micro-batches run
+            without XLA while it is attached.
     """
 
     def __init__(
