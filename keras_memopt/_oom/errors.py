@@ -1,15 +1,6 @@
-"""Out-of-memory errors: recognise them, say what failed, and report what to do.
-
-- `is_oom` recognises an out-of-memory error however TensorFlow reports it;
-  `parse_oom` and `describe_allocation` say what failed to allocate.
-- `Phase` names where in a step memory ran out, and `StepMemory` what the
-  step holds there; `report` turns them into the message a user reads.
-- `state_must_fit` reports an out-of-memory error before the first step.
-- `ErrorText` is what is kept of an error that a retry recovers from, and
-  `drop_tracebacks` lets go of the rest.
-
-Deciding what to do about an error is `OOMBackoff`'s (and `keras-memopt
-run`'s); recovering from one is the step runner's.
+"""Out-of-memory errors: recognise them (`is_oom`), say what failed (`parse_oom`), where (`Phase`)
+and what the step holds (`StepMemory`), and the message a user reads (`report`). Deciding what to do
+is `OOMBackoff`'s and `keras-memopt run`'s; recovering is the step runner's.
 """
 
 from __future__ import annotations
@@ -54,29 +45,10 @@ _DEVICE = re.compile(r"device:([A-Z]+:\d+)")
 def is_oom(error: BaseException) -> bool:
     """Whether `error` (or an error it was raised from) means out of memory.
 
-    Besides `tf.errors.ResourceExhaustedError`, TensorFlow reports some
-    allocation failures otherwise:
-
-    - `InvalidArgumentError: Cannot parse tensor from proto` at a constant
-      node: the constant's memory could not be allocated when the step's
-      kernels were made (seen on CPU under a memory limit, for a constant the
-      graph optimiser folded);
-    - `UnknownError` or `InternalError` whose message names resource
-      exhaustion, or "Dst tensor is not initialized" (a copy to a device
-      whose destination could not be allocated; reported on GPUs).
-
-    On JAX, XLA reports it as a `jax.errors.JaxRuntimeError` whose message
-    begins `RESOURCE_EXHAUSTED:` (when a step is compiled or when it runs).
-
-    Example:
-
-    ```python
-    try:
-        model.fit(x, y)
-    except tf.errors.OpError as error:
-        if not is_oom(error):
-            raise
-    ```
+    Besides `ResourceExhaustedError`: `InvalidArgumentError: Cannot parse tensor from proto` (a
+    folded constant not allocated, seen on CPU under a memory limit), `UnknownError` or
+    `InternalError` naming resource exhaustion or "Dst tensor is not initialized" (GPUs), and on
+    JAX a `JaxRuntimeError` beginning `RESOURCE_EXHAUSTED:` (at compile or run time).
     """
     seen = set()
     while error is not None and id(error) not in seen:
@@ -105,12 +77,8 @@ def _xla_exhausted(error) -> bool:
 
 
 def exhausted(message: str) -> Exception:
-    """The error that reports, with `message`, an out-of-memory error that ends a step.
-
-    TensorFlow's `tf.errors.ResourceExhaustedError`; on Keras 3's JAX backend
-    the type XLA raises there, `jax.errors.JaxRuntimeError`, its message
-    beginning `RESOURCE_EXHAUSTED:` as XLA's does.
-    """
+    """The error that reports, with `message`, an out-of-memory error that ends a step: TensorFlow's
+    `ResourceExhaustedError`, on JAX the `JaxRuntimeError` XLA raises (`RESOURCE_EXHAUSTED:`)."""
     if BACKEND == "jax":
         import jax
 
@@ -119,23 +87,9 @@ def exhausted(message: str) -> Exception:
 
 
 def parse_oom(message: str) -> dict:
-    """What failed to allocate, as far as the error message says.
-
-    Returns a dict with the keys `shape` (a tuple of ints, or None), `dtype`,
-    `op` (the graph node), `device` (such as `"GPU:0"`), `allocator` and
-    `bytes` (when the message gives a byte count instead of a shape); each is
-    None when the message does not say.
-
-    Example:
-
-    ```python
-    parse_oom("OOM when allocating tensor with shape[64,1024] and type float "
-              "on /job:localhost/replica:0/task:0/device:GPU:0 by allocator "
-              "GPU_0_bfc [[{{node dense/MatMul}}]]")
-    # {'shape': (64, 1024), 'dtype': 'float', 'op': 'dense/MatMul',
-    #  'device': 'GPU:0', 'allocator': 'GPU_0_bfc', 'bytes': None}
-    ```
-    """
+    """What failed to allocate, as far as the error message says: a dict of `shape` (a tuple),
+    `dtype`, `op` (the graph node), `device` (`"GPU:0"`), `allocator` and `bytes` (a byte count
+    given instead of a shape), each None when the message does not say."""
     info = dict(shape=None, dtype=None, op=None, device=None, allocator=None, bytes=None)
     match = _TENSOR.search(message)
     if match:
@@ -164,11 +118,8 @@ def parse_oom(message: str) -> dict:
 
 
 def allocation_bytes(allocation: dict) -> int | None:
-    """The bytes of the allocation `parse_oom` described (None: its message does not say).
-
-    From the shape and type where the message gives them, else the byte
-    count it gives.
-    """
+    """The bytes of the allocation `parse_oom` described: from its shape and type, else the byte
+    count given (None: the message does not say)."""
     shape, dtype = allocation["shape"], allocation["dtype"]
     if shape is not None and dtype and all(isinstance(d, int) for d in shape):
         try:
@@ -207,12 +158,8 @@ def allocation_note(error: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ErrorText:
-    """An error in words: the name of its type and its message, nothing else.
-
-    What is kept of an out-of-memory error after its step was put back: the
-    exception's traceback frames hold the failed step's batch and, through
-    their callers, `fit`'s iterator and data set.
-    """
+    """An error in words (its type's name and message), what is kept of an out-of-memory error
+    once its step was put back: the exception's frames hold the batch, `fit`'s iterator and data."""
 
     name: str
     message: str
@@ -229,13 +176,8 @@ class ErrorText:
 
 
 def drop_tracebacks(error: BaseException) -> None:
-    """Lets go of the tracebacks of `error` and every error it was raised from.
-
-    Each traceback's finished frames are cleared (their local variables
-    released) and the traceback itself dropped, along `__cause__` and
-    `__context__` (TensorFlow raises its errors `from None`, which hides
-    the context but keeps it).
-    """
+    """Clears the finished frames of the tracebacks of `error` and every error along `__cause__`
+    and `__context__` (TensorFlow's `from None` hides the context but keeps it), and drops them."""
     seen, pending = set(), [error]
     while pending:
         error = pending.pop()
@@ -264,8 +206,6 @@ class Phase(enum.Enum):
         return self in (Phase.MICRO_BATCH, Phase.EVALUATION)
 
 
-
-
 def scoped_phase(op: str | None) -> Phase | None:
     """The phase an op's name marks, or None (a micro-batch's own ops)."""
     op = op or ""
@@ -286,14 +226,11 @@ class StepMemory:
         weights: the model's variables (trainable and not).
         optimizer_state: the optimizer's variables (slots, iterations, ...).
         gradient_sum: the summed gradients: one float32 copy of the trainable weights.
-        largest_gradient: the gradient of the largest variable, what a
-            micro-batch holds beside the sum at least.
-        update: what the optimizer update allocates above its start, measured
-            at `micro_batch_size` in an earlier step.
-        step_peak: the failed attempt's peak above what was in use when it
-            started, as the allocator measured it: the gradient sum, one
-            micro-batch's activations and the gradients in flight (the
-            micro-batch loop's peak, where the attempt reached its update).
+        largest_gradient: the largest variable's gradient, held beside the sum at least.
+        update: what the optimizer update allocates above its start, measured at
+            `micro_batch_size` in an earlier step.
+        step_peak: the failed attempt's peak above its start, as the allocator measured it (the
+            sum, a micro-batch's activations and gradients; the loop's peak past the loop).
         micro_batch_size: the micro-batch size of the failed attempt.
         device_total: the memory the device can hand out.
     """
@@ -333,11 +270,8 @@ class StepMemory:
 
 @dataclasses.dataclass
 class OutOfMemory:
-    """An out-of-memory error that ended an attempt at a step, once it was put back.
-
-    What the step runner hands to the policy (`keras_memopt._oom.backoff.BackoffPolicy.back_off`):
-    figures and the error's text, no exception (see `ErrorText`).
-    """
+    """An out-of-memory error that ended an attempt at a step, once put back: what the step runner
+    hands `BackoffPolicy.back_off`, figures and the error's text, no exception (`ErrorText`)."""
 
     kind: str
     phase: Phase
@@ -386,8 +320,7 @@ def report(error: BaseException | ErrorText, phase: Phase, memory: StepMemory | 
         error: the out-of-memory error, or its text.
         phase: where in the step it happened.
         memory: what the step holds, when known.
-        micro_batch_size, minimum: the micro-batch in use and the smallest
-            one allowed, for an error at the smallest micro-batch.
+        micro_batch_size, minimum: the micro-batch in use and the smallest one allowed.
         note: one more sentence on why nothing was retried.
     """
     if phase is Phase.STATE:
@@ -443,12 +376,8 @@ def _first_line(error):
 
 @contextlib.contextmanager
 def state_must_fit():
-    """Raises a readable report for an out-of-memory error before the first step.
-
-    What runs there makes the optimizer's variables and the metrics'; when
-    they do not fit, no micro-batch size can help, and `OOMBackoff` is not
-    asked to.
-    """
+    """Raises a readable report for an out-of-memory error before the first step, where the
+    optimizer's and metrics' variables are made: no micro-batch size can help there."""
     try:
         yield
     except tf.errors.OpError as error:
