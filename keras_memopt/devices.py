@@ -33,18 +33,15 @@ def configure_devices(
     Args:
         memory_growth: bool, whether TensorFlow takes GPU memory as it needs
             it (so that processes can share a GPU). Defaults to None (off).
-        memory_limit: a size (bytes, or a string such as `"4GiB"`), or a
-            list of sizes, one per chosen GPU: what TensorFlow may use on
-            each. Defaults to None (no limit).
-        logical_devices: int, logical devices per chosen GPU, each getting
-            `memory_limit`, or an even share of the GPU's memory read with
-            NVML. Defaults to None (one).
+        memory_limit: a size (bytes, or a string such as `"4GiB"`), or a list of sizes, one per
+            chosen GPU: what TensorFlow may use on each. Defaults to None (no limit).
+        logical_devices: int, logical devices per chosen GPU, each getting `memory_limit`, or an
+            even share of the GPU's memory read with NVML. Defaults to None (one).
         allocator: str, `"cuda_malloc_async"` (CUDA's stream-ordered
             allocator, against fragmentation) or `"bfc"` (TensorFlow's
             default). Defaults to None (leave `TF_GPU_ALLOCATOR` as it is).
-        gpus: list of int, the indices of the physical GPUs to configure, as
-            TensorFlow numbers them (after `CUDA_VISIBLE_DEVICES`). Defaults
-            to all.
+        gpus: list of int, the indices of the physical GPUs to configure, as TensorFlow numbers them
+            (after `CUDA_VISIBLE_DEVICES`). Defaults to all.
 
     Returns:
         The list of configured physical GPUs (empty without GPUs).
@@ -60,9 +57,8 @@ def configure_devices(
     ```
 
     Raises:
-        ValueError: for invalid arguments (checked before anything changes),
-            memory growth combined with a limit or split, or a split without
-            a limit where the GPU's memory cannot be read.
+        ValueError: for invalid arguments (checked before anything changes), memory growth combined
+            with a limit or split, or a split without a limit where the GPU's memory cannot be read.
         RuntimeError: if TensorFlow has already initialised its devices.
     """
     settings = _Settings.checked(memory_growth, memory_limit, logical_devices, allocator, gpus)

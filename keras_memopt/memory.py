@@ -149,9 +149,8 @@ class MemoryReader:
     a GPU).
 
     Args:
-        devices: list of str, the logical devices to read (`"GPU:0"`,
-            `"CPU:0"`). Defaults to every logical GPU, or `["CPU:0"]` on a
-            machine without GPUs.
+        devices: list of str, the logical devices to read (`"GPU:0"`, `"CPU:0"`). Defaults to every
+            logical GPU, or `["CPU:0"]` on a machine without GPUs.
         host: bool, whether to read the host process's RSS. Defaults to True.
         nvml: bool, whether to read NVML. Defaults to True.
 

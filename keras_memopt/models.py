@@ -49,23 +49,19 @@ class AccumulatingModel(
     micro-batch setting retraces nothing; changing `remat` traces anew.
 
     Args:
-        micro_batch_size: int, the number of samples in each micro-batch
-            (per replica under a distribution strategy). The last micro-batch
-            of a batch may be smaller; a batch smaller than `micro_batch_size`
-            is one micro-batch. `"auto"`: the largest size that trains, found
-            at the first step by trying real steps (failed attempts rolled
-            back), kept in `model.micro_batch_search`; see docs/oom-backoff.md.
-        accumulation_steps: int, the number of micro-batches to split each
-            batch into, as evenly as possible. Give at most one of
-            `micro_batch_size` and `accumulation_steps`; with neither, each
-            batch is one micro-batch (until, say, `OOMBackoff` shrinks it).
-        remat: recomputed segments of a functional model, their activations
-            freed after the forward pass and recomputed, exactly, in the
-            backward pass. `"auto"` chooses them from the graph; a list of
-            layer names cuts the model after each named layer, whose output
-            must separate the graph, and recomputes every segment but the
-            last. Subclassed models wrap blocks in `keras_memopt.Remat`
-            instead. See docs/remat.md. Defaults to `None`.
+        micro_batch_size: int, the number of samples in each micro-batch (per replica under a
+            distribution strategy). The last micro-batch of a batch may be smaller; a batch smaller
+            than `micro_batch_size` is one micro-batch. `"auto"`: the largest size that trains,
+            found at the first step by trying real steps (failed attempts rolled back), kept in
+            `model.micro_batch_search`; see docs/oom-backoff.md.
+        accumulation_steps: int, the number of micro-batches to split each batch into, as evenly as
+            possible. Give at most one of `micro_batch_size` and `accumulation_steps`; with neither,
+            each batch is one micro-batch (until, say, `OOMBackoff` shrinks it).
+        remat: recomputed segments of a functional model, their activations freed after the forward
+            pass and recomputed, exactly, in the backward pass. `"auto"` chooses them from the
+            graph; a list of layer names cuts the model after each named layer, whose output must
+            separate the graph, and recomputes every segment but the last. Subclassed models wrap
+            blocks in `keras_memopt.Remat` instead. See docs/remat.md. Defaults to `None`.
         replica_shares: under a `tf.distribute.MirroredStrategy`, each
             replica's share of every batch (a list of positive numbers, or
             `"auto"` for each device's memory). Defaults to `None` (even parts).
@@ -75,21 +71,18 @@ class AccumulatingModel(
         device_cuts: `"auto"` (balanced by memory) or the names of the
             `len(devices) - 1` layers whose outputs end the segments, as for
             `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
-        whole_batch_loss: bool. `True` evaluates the loss and the compiled
-            metrics once, on the whole batch's outputs, for losses that couple
-            the samples of a batch (contrastive, listwise ranking), for about
-            one more forward pass; see docs/whole-batch-loss.md. Defaults to
-            `False` (the loss must be a mean of per-sample terms; one that is
-            not is refused at the first step).
-        *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
-            `name`, ...).
+        whole_batch_loss: bool. `True` evaluates the loss and the compiled metrics once, on the
+            whole batch's outputs, for losses that couple the samples of a batch (contrastive,
+            listwise ranking), for about one more forward pass; see docs/whole-batch-loss.md.
+            Defaults to `False` (the loss must be a mean of per-sample terms; one that is not is
+            refused at the first step).
+        *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`, `name`, ...).
 
     Attributes:
-        oom_policy: the out-of-memory policy the step runner follows, or
-            None: an out-of-memory error then stops training as it would in
-            plain Keras. A `keras_memopt.callbacks.OOMBackoff` sets its own
-            policy here for the length of `fit`, `evaluate` or `predict`; the
-            one before is back when the call ends, also when it raises.
+        oom_policy: the out-of-memory policy the step runner follows, or None: an out-of-memory
+            error then stops training as it would in plain Keras. A
+            `keras_memopt.callbacks.OOMBackoff` sets its own policy here for the length of `fit`,
+            `evaluate` or `predict`; the one before is back when the call ends, also when it raises.
 
     Example:
 

@@ -25,10 +25,9 @@ def prune_low_magnitude(model, **kwargs):
     optimizer updates.
 
     Args:
-        model: a functional or `Sequential` tf_keras model (an
-            `AccumulatingModel` or not), a layer, or a list of layers, as for
-            tfmot. Inside a subclassed `AccumulatingModel`, wrap its layers
-            with this function instead.
+        model: a functional or `Sequential` tf_keras model (an `AccumulatingModel` or not), a layer,
+            or a list of layers, as for tfmot. Inside a subclassed `AccumulatingModel`, wrap its
+            layers with this function instead.
         **kwargs: passed on to tfmot: `pruning_schedule`, `block_size`,
             `block_pooling_type`, `pruning_policy`, `sparsity_m_by_n`.
 
@@ -43,11 +42,9 @@ def prune_low_magnitude(model, **kwargs):
     ```
 
     Raises:
-        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot
-            does not work.
+        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot does not work.
         ImportError: if tensorflow-model-optimization is not installed.
-        TypeError: if `model` is not a tf_keras model or layer (a Keras 3
-            one, say).
+        TypeError: if `model` is not a tf_keras model or layer (a Keras 3 one, say).
     """
     sparsity = _tfmot.tfmot("Pruning").sparsity.keras
     for item in model if isinstance(model, list) else [model]:

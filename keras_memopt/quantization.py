@@ -23,8 +23,7 @@ def quantize_model(model):
     `accumulation_steps` and `remat`.
 
     Args:
-        model: a functional or `Sequential` tf_keras model (an
-            `AccumulatingModel` or not).
+        model: a functional or `Sequential` tf_keras model (an `AccumulatingModel` or not).
 
     Returns:
         The quantization-aware model.
@@ -36,8 +35,7 @@ def quantize_model(model):
     ```
 
     Raises:
-        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot
-            does not work.
+        RuntimeError: on Keras 3 (`TF_USE_LEGACY_KERAS` unset), where tfmot does not work.
         ImportError: if tensorflow-model-optimization is not installed.
         TypeError: if `model` is not a tf_keras model (a Keras 3 one, say).
     """

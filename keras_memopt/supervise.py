@@ -71,13 +71,11 @@ def supervise(
         factor: float in (0, 1), the cap after a crash is this times the
             micro-batch size in use when the process died (rounded down, and
             always at least one sample smaller). Defaults to `0.5`.
-        min_micro_batch_size: int, the smallest cap; a crash at this size is
-            final, unless the restart is the first without oneDNN kernels.
-            Defaults to `1`.
+        min_micro_batch_size: int, the smallest cap; a crash at this size is final, unless the
+            restart is the first without oneDNN kernels. Defaults to `1`.
         max_restarts: int, how many restarts at the most. Defaults to `5`.
-        verbose: int, 1 to write a line to standard error per restart, and
-            why a crashed process is not restarted; 0 for silence. Defaults
-            to `1`.
+        verbose: int, 1 to write a line to standard error per restart, and why a crashed process is
+            not restarted; 0 for silence. Defaults to `1`.
 
     Returns:
         The training process's last exit status (0 when it trained), 130 when
@@ -85,8 +83,7 @@ def supervise(
 
     Raises:
         ValueError: for an empty `command` or an invalid argument.
-        FileNotFoundError: if the command is not found (`OSError` if it
-            cannot be run otherwise).
+        FileNotFoundError: if the command is not found (`OSError` if it cannot be run otherwise).
     """
     if not command:
         raise ValueError("`command` must name the training command. Received: command=[]")

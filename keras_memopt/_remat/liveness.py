@@ -149,8 +149,7 @@ class StepGraph:
         ops: the graph's ops in the order they were made.
         sizes: (n, 2) array, each buffer's bytes per sample and fixed bytes.
         producer: the op index that allocates each buffer.
-        users: for each buffer, the op indices that read it (a view of it
-            counts as the buffer).
+        users: for each buffer, the op indices that read it (a view of it counts as the buffer).
         kept: buffers alive to the end (the inputs and `kept`).
     """
 

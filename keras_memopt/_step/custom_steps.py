@@ -155,10 +155,9 @@ class CustomSteps:
             variables: the variables to differentiate.
             optimizer: the optimizer that will apply the gradients, for loss
                 scaling. Defaults to the model's.
-            forward: a function of one micro-batch returning its outputs;
-                then `loss_fn(outputs, data)` is the loss of the whole batch's
-                outputs, concatenated, and the gradients are its, exactly.
-                Defaults to None.
+            forward: a function of one micro-batch returning its outputs; then `loss_fn(outputs,
+                data)` is the loss of the whole batch's outputs, concatenated, and the gradients are
+                its, exactly. Defaults to None.
 
         Returns:
             `(loss, gradients)`: the batch's loss (float32, or float64 for a

@@ -231,14 +231,12 @@ def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
         fn: a function of one micro-batch (a slice of `data`, same structure)
             and `args`; returns a nest of tensors, `tf.IndexedSlices` and None.
         data: a nest of batched tensors (None leaves allowed).
-        size: the micro-batch size, a scalar int32 tensor (the last
-            micro-batch may be smaller).
+        size: the micro-batch size, a scalar int32 tensor (the last micro-batch may be smaller).
         *args: tensors passed to every call of `fn` as they are.
         jit_compile: whether `fn` is compiled with XLA (each micro-batch
             shape compiles once; the loop itself never is).
-        reductions: a nest like `fn`'s outputs of "sum", "min" or "max": how
-            each dense output folds over the micro-batches. Defaults to None
-            (every output summed).
+        reductions: a nest like `fn`'s outputs of "sum", "min" or "max": how each dense output folds
+            over the micro-batches. Defaults to None (every output summed).
 
     Returns:
         `fn`'s outputs summed (or folded by `reductions`), in its structure

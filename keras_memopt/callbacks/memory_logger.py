@@ -41,8 +41,7 @@ class MemoryLogger(keras.callbacks.Callback):
             (`tf.summary`). Defaults to None.
         plot: str or path, a PNG file for the memory timeline, written at the end of training;
             needs matplotlib (`pip install "keras_memopt[plot]"`). Defaults to None.
-        append: bool, add rows to an existing `filename` instead of replacing it. Defaults to
-            False.
+        append: bool, add rows to an existing `filename` instead of replacing it. Defaults to False.
         verbose: int, 1 to also print (as Keras prints its messages) where figures are
             unavailable, 0 for warnings only. Defaults to 0.
 

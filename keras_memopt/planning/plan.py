@@ -39,9 +39,8 @@ class MemoryPlan:
         budget: int, the memory available, in bytes.
         micro_batch_size: int, the recommended samples per micro-batch.
         remat: str or None, the recommended `remat` setting.
-        estimate: `MemoryEstimate` of the recommended setting; its
-            `calibrated` says whether the peak was measured or counted from
-            shapes alone.
+        estimate: `MemoryEstimate` of the recommended setting; its `calibrated` says whether the
+            peak was measured or counted from shapes alone.
         fits: bool, whether the estimate fits the budget less its margin.
         note: str, what else the plan has to say.
     """

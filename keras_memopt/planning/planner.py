@@ -47,10 +47,9 @@ class MemoryPlanner:
             `"adam"`. Defaults to the model's compiled optimizer, or Adam.
         device: str, the device `profile()` measures on. Defaults to `"GPU:0"`
             where there is a GPU, else `"CPU:0"`.
-        isolate: bool, whether `profile()` measures each size in a fresh
-            process. Defaults to `None`: yes on a CPU, no on a GPU. `True`
-            raises instead of falling back when the model cannot be rebuilt
-            in a subprocess; on a GPU it needs the GPU's memory free (memory
+        isolate: bool, whether `profile()` measures each size in a fresh process. Defaults to
+            `None`: yes on a CPU, no on a GPU. `True` raises instead of falling back when the model
+            cannot be rebuilt in a subprocess; on a GPU it needs the GPU's memory free (memory
             growth, or a limit that leaves room).
 
     Example:
@@ -63,11 +62,9 @@ class MemoryPlanner:
     ```
 
     Raises:
-        TypeError: if `model` is not a `keras.Model`, or `isolate` is not a
-            bool or None.
-        ValueError: if the model is not built, has no known inputs (a
-            subclassed model: wrap it with `AccumulatingModel.from_model`),
-            or an input shape is unknown apart from the batch axis.
+        TypeError: if `model` is not a `keras.Model`, or `isolate` is not a bool or None.
+        ValueError: if the model is not built, has no known inputs (a subclassed model: wrap it with
+            `AccumulatingModel.from_model`), or an input shape is unknown apart from the batch axis.
     """
 
     def __init__(
@@ -126,10 +123,8 @@ class MemoryPlanner:
         """The estimated peak memory of one train step.
 
         Args:
-            batch_size: int, the effective batch (what the input pipeline
-                delivers).
-            micro_batch_size: int, samples per micro-batch. Defaults to
-                `batch_size` (no splitting).
+            batch_size: int, the effective batch (what the input pipeline delivers).
+            micro_batch_size: int, samples per micro-batch. Defaults to `batch_size` (no splitting).
 
         Returns:
             A `MemoryEstimate`; `.peak` is the total in bytes. Once `profile()`
@@ -166,14 +161,12 @@ class MemoryPlanner:
         replaces the old figure).
 
         Args:
-            micro_batch_sizes: two or more distinct ints, the micro-batch
-                sizes to measure. Defaults to `(16, 64)`. Measuring at and
-                around the sizes you will plan for gives the closest
+            micro_batch_sizes: two or more distinct ints, the micro-batch sizes to measure. Defaults
+                to `(16, 64)`. Measuring at and around the sizes you will plan for gives the closest
                 estimates; `plan(..., profile=True)` does that for you.
-            batch_size: int, the batch each micro-batch size is measured
-                with. Defaults to one micro-batch per batch. Give the batch
-                size you will train with: a larger batch costs more than its
-                input tensors' bytes.
+            batch_size: int, the batch each micro-batch size is measured with. Defaults to one
+                micro-batch per batch. Give the batch size you will train with: a larger batch costs
+                more than its input tensors' bytes.
             verbose: int, 1 to print a line per measurement (its peak and
                 how long it took), 0 for none. Defaults to 0.
 
@@ -183,11 +176,9 @@ class MemoryPlanner:
             size that ran out of memory.
 
         Raises:
-            ValueError: if fewer than two distinct sizes are given, or a size
-                exceeds `batch_size`.
-            RuntimeError: if a measurement in this process is needed on a
-                device without allocator figures (a CPU without
-                `TF_CPU_ALLOCATOR_USE_BFC=true`), or a child process fails.
+            ValueError: if fewer than two distinct sizes are given, or a size exceeds `batch_size`.
+            RuntimeError: if a measurement in this process is needed on a device without allocator
+                figures (a CPU without `TF_CPU_ALLOCATOR_USE_BFC=true`), or a child process fails.
         """
         sizes = sorted({positive_int("micro_batch_sizes", s) for s in tuple(micro_batch_sizes)})
         if len(sizes) < 2:
@@ -282,13 +273,11 @@ class MemoryPlanner:
 
         Args:
             batch_size: int, the effective batch size.
-            budget: the memory available: bytes, or a string such as
-                `"8GiB"` or `"512MB"`.
+            budget: the memory available: bytes, or a string such as `"8GiB"` or `"512MB"`.
             margin: float, the share of the budget kept free for what the
                 estimate misses. Defaults to 0.1.
-            profile: bool, whether to measure real train steps near the
-                recommendation first. Defaults to `False` (shapes and any
-                earlier `profile()` measurements only).
+            profile: bool, whether to measure real train steps near the recommendation first.
+                Defaults to `False` (shapes and any earlier `profile()` measurements only).
             verbose: int, 1 to print a line per measurement. Defaults to 0.
 
         Returns:
@@ -297,8 +286,7 @@ class MemoryPlanner:
         Raises:
             ValueError: if the budget is below what the parameters, optimizer
                 slots and gradients alone need, or an argument is invalid.
-            RuntimeError: with `profile=True`, if a measurement cannot be
-                made (see `profile()`).
+            RuntimeError: with `profile=True`, if a measurement cannot be made (see `profile()`).
         """
         batch_size = positive_int("batch_size", batch_size)
         budget = parse_bytes(budget, "budget")
@@ -336,8 +324,7 @@ class MemoryPlanner:
 
         Args:
             batch_size: int, the effective batch.
-            micro_batch_size: int, samples per micro-batch. Defaults to
-                `batch_size`.
+            micro_batch_size: int, samples per micro-batch. Defaults to `batch_size`.
             count: int, the most settings to measure. Defaults to 4.
             verbose: int, 1 to print a line per measurement. Defaults to 0.
 

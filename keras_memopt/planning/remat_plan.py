@@ -30,9 +30,8 @@ class RematCandidate:
         remat: the `remat=` value that gives it: None or the cut layers' names.
         estimated: int, the estimated step peak in bytes: a micro-batch's
             activations and gradients, and the gradient sum beside them.
-        measured: int or None, the measured step peak in bytes (parameters,
-            optimizer slots, gradients, the batch and activations), or None
-            where it ran out of memory.
+        measured: int or None, the measured step peak in bytes (parameters, optimizer slots,
+            gradients, the batch and activations), or None where it ran out of memory.
     """
 
     description: str

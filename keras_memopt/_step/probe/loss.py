@@ -38,10 +38,9 @@ def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
     `split`: the model's `keras_memopt._step.losses.LossSplit`.
 
     Raises:
-        ValueError: for a loss of the outputs that does not average over the samples
-            or a compiled metric that does not add up over micro-batches (both unless
-            `whole_batch_loss`), or a term of `model.losses` that neither averages
-            nor sums over them.
+        ValueError: for a loss of the outputs that does not average over the samples or a compiled
+            metric that does not add up over micro-batches (both unless `whole_batch_loss`), or a
+            term of `model.losses` that neither averages nor sums over them.
     """
     if whole_batch_loss and not _keras.REPLACES_MODEL_LOSSES and overrides(model, "compute_loss"):
         raise ValueError(
