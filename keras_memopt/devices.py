@@ -25,10 +25,9 @@ def configure_devices(
 ) -> list:
     """Sets up GPU memory before TensorFlow starts: growth, limits, splits.
 
-    Call it once, at the start of the program, before building a model:
-    TensorFlow fixes its devices when it first uses them. Every argument left
-    as None leaves TensorFlow's default. On a machine without GPUs it warns
-    and changes nothing but the allocator setting. See docs/devices.md.
+    Call it once, at the start of the program, before building a model: TensorFlow fixes its devices
+    when it first uses them. Every argument left as None leaves TensorFlow's default. On a machine
+    without GPUs it warns and changes nothing but the allocator setting. See docs/devices.md.
 
     Args:
         memory_growth: bool, whether TensorFlow takes GPU memory as it needs

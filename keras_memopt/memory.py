@@ -141,12 +141,10 @@ def _text(value):
 class MemoryReader:
     """Reads current and peak memory figures, in MiB, as one flat dict.
 
-    Sources: TensorFlow's allocator per device (in use and peak since the
-    last reset; on a CPU see docs/memory.md), the host process's RSS, and
-    NVML per physical GPU (every process, not only TensorFlow's allocator).
-    A figure that is not available is left out of `read()`, and why is
-    recorded once in `unavailable` (NVML's absence only where TensorFlow sees
-    a GPU).
+    Sources: TensorFlow's allocator per device (in use and peak since the last reset; on a CPU see
+    docs/memory.md), the host process's RSS, and NVML per physical GPU (every process, not only
+    TensorFlow's allocator). A figure that is not available is left out of `read()`, and why is
+    recorded once in `unavailable` (NVML's absence only where TensorFlow sees a GPU).
 
     Args:
         devices: list of str, the logical devices to read (`"GPU:0"`, `"CPU:0"`). Defaults to every

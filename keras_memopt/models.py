@@ -37,12 +37,11 @@ class AccumulatingModel(
 ):
     """A `keras.Model` whose train step accumulates gradients over micro-batches.
 
-    The train step splits the batch the input pipeline delivers (the
-    *effective* batch) along its first axis into micro-batches, runs them one
-    after another, adds up their gradients, each weighted by its fraction of the
-    batch's loss, and applies **one** optimizer update: the one plain Keras
-    computes on the whole batch. `evaluate` and `predict` split large batches
-    the same way. What is exact and what is not: docs/accumulation.md.
+    The train step splits the batch the input pipeline delivers (the *effective* batch) along its
+    first axis into micro-batches, runs them one after another, adds up their gradients, each
+    weighted by its fraction of the batch's loss, and applies **one** optimizer update: the one
+    plain Keras computes on the whole batch. `evaluate` and `predict` split large batches the same
+    way. What is exact and what is not: docs/accumulation.md.
 
     Build it functionally, subclass it instead of `keras.Model`, or wrap a
     model with `from_model` (the example shows each). Changing the

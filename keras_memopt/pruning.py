@@ -17,12 +17,10 @@ __all__ = ["prune_low_magnitude", "strip_pruning"]
 def prune_low_magnitude(model, **kwargs):
     """Wraps a model's prunable layers for magnitude pruning (tfmot).
 
-    Calls `tfmot.sparsity.keras.prune_low_magnitude`; an `AccumulatingModel`
-    comes back as an `AccumulatingModel` with the same `micro_batch_size`,
-    `accumulation_steps` and `remat`. The result wraps `model`'s own layers,
-    so `model` is pruned too. Train it with
-    `tfmot.sparsity.keras.UpdatePruningStep()`; `pruning_step` counts
-    optimizer updates.
+    Calls `tfmot.sparsity.keras.prune_low_magnitude`; an `AccumulatingModel` comes back as an
+    `AccumulatingModel` with the same `micro_batch_size`, `accumulation_steps` and `remat`. The
+    result wraps `model`'s own layers, so `model` is pruned too. Train it with
+    `tfmot.sparsity.keras.UpdatePruningStep()`; `pruning_step` counts optimizer updates.
 
     Args:
         model: a functional or `Sequential` tf_keras model (an `AccumulatingModel` or not), a layer,

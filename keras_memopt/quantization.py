@@ -18,9 +18,8 @@ _FEATURE = "Quantization-aware training"
 def quantize_model(model):
     """Makes a model quantization-aware (tfmot's `quantize_model`).
 
-    Calls `tfmot.quantization.keras.quantize_model`; an `AccumulatingModel`
-    comes back as an `AccumulatingModel` with the same `micro_batch_size`,
-    `accumulation_steps` and `remat`.
+    Calls `tfmot.quantization.keras.quantize_model`; an `AccumulatingModel` comes back as an
+    `AccumulatingModel` with the same `micro_batch_size`, `accumulation_steps` and `remat`.
 
     Args:
         model: a functional or `Sequential` tf_keras model (an `AccumulatingModel` or not).

@@ -37,13 +37,11 @@ class Remat(keras.layers.Wrapper):
     layer per training step. Wrap the big repeated blocks of a subclassed
     model; functional models use `AccumulatingModel(..., remat="auto")`.
 
-    Exact: the same dropout masks, state (BatchNormalization's statistics)
-    updated once. Keyword arguments (`training`, `mask`) and the input's Keras
-    mask reach the wrapped layer. A layer that adds losses in `call` (activity
-    regularisers, `add_loss`) or a `SpectralNormalization` is refused. On
-    tf_keras, two calls of one random layer within one wrapped call share a
-    mask; on JAX the outputs carry the masks of the layer's `compute_mask`.
-    See docs/remat.md.
+    Exact: the same dropout masks, state (BatchNormalization's statistics) updated once. Keyword
+    arguments (`training`, `mask`) and the input's Keras mask reach the wrapped layer. A layer that
+    adds losses in `call` (activity regularisers, `add_loss`) or a `SpectralNormalization` is
+    refused. On tf_keras, two calls of one random layer within one wrapped call share a mask; on JAX
+    the outputs carry the masks of the layer's `compute_mask`. See docs/remat.md.
 
     Args:
         layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to

@@ -138,14 +138,12 @@ class CustomSteps:
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.
 
-        Runs `loss_fn(micro_batch)` over the micro-batches of `data` in the
-        loop `train_step` uses, weights each loss by its fraction of the batch
-        and returns the batch's loss and the summed gradients: what one
-        `tf.GradientTape` over the whole batch gives when `loss_fn` returns a
-        mean over samples. Call it as often as a step needs. For a loss that
-        couples the samples pass `forward`. With a loss-scale optimizer, apply
-        the gradients with `optimizer`, which unscales them. See
-        docs/custom-train-steps.md.
+        Runs `loss_fn(micro_batch)` over the micro-batches of `data` in the loop `train_step` uses,
+        weights each loss by its fraction of the batch and returns the batch's loss and the summed
+        gradients: what one `tf.GradientTape` over the whole batch gives when `loss_fn` returns a
+        mean over samples. Call it as often as a step needs. For a loss that couples the samples
+        pass `forward`. With a loss-scale optimizer, apply the gradients with `optimizer`, which
+        unscales them. See docs/custom-train-steps.md.
 
         Args:
             loss_fn: a function of one micro-batch (a slice of `data`, same

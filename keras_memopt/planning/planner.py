@@ -29,16 +29,14 @@ keras = _keras.keras
 class MemoryPlanner:
     """Estimates and plans the peak memory of training a model in micro-batches.
 
-    The estimate counts what an `AccumulatingModel` train step holds at its
-    peak: the parameters, the optimizer's slots, the float32 gradient
-    accumulators, one micro-batch's gradients, the whole input batch (the
-    effective batch arrives at once) and the activations that one
-    micro-batch's step holds at its peak, counted from its traced graph.
+    The estimate counts what an `AccumulatingModel` train step holds at its peak: the parameters,
+    the optimizer's slots, the float32 gradient accumulators, one micro-batch's gradients, the whole
+    input batch (the effective batch arrives at once) and the activations that one micro-batch's
+    step holds at its peak, counted from its traced graph.
 
-    `profile()` measures real train steps and `estimate()` then interpolates
-    between them; `plan()` recommends a micro-batch size for a budget. The
-    figures are one train step's, not the data set's: keep `plan()`'s
-    `margin`. What is counted, how well, and why: docs/memory.md.
+    `profile()` measures real train steps and `estimate()` then interpolates between them; `plan()`
+    recommends a micro-batch size for a budget. The figures are one train step's, not the data
+    set's: keep `plan()`'s `margin`. What is counted, how well, and why: docs/memory.md.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model)
@@ -153,12 +151,11 @@ class MemoryPlanner:
     ) -> dict[int, int | None]:
         """Measures real train steps and calibrates the estimate with them.
 
-        Each size trains a fresh copy of the model (the model itself is not
-        touched) on synthetic data: the highest allocator peak of three steps
-        after a tracing step, plus the margin `micro_batch_size="auto"` keeps
-        (docs/memory.md). On a CPU each size runs in a fresh process (see
-        `isolate`). Measurements add up over calls (a size measured again
-        replaces the old figure).
+        Each size trains a fresh copy of the model (the model itself is not touched) on synthetic
+        data: the highest allocator peak of three steps after a tracing step, plus the margin
+        `micro_batch_size="auto"` keeps (docs/memory.md). On a CPU each size runs in a fresh process
+        (see `isolate`). Measurements add up over calls (a size measured again replaces the old
+        figure).
 
         Args:
             micro_batch_sizes: two or more distinct ints, the micro-batch sizes to measure. Defaults
@@ -260,16 +257,14 @@ class MemoryPlanner:
     ) -> MemoryPlan:
         """Recommends the micro-batch size (and remat) for a batch and a budget.
 
-        Picks the largest micro-batch size whose estimated peak, plus
-        `margin`, fits in `budget`, preferring sizes that divide the batch
-        evenly. Where not even a micro-batch of one sample fits, it
-        recommends `remat="auto"` (recomputing activations); its saving is
-        not modelled, so the plan's estimate is then an upper bound.
+        Picks the largest micro-batch size whose estimated peak, plus `margin`, fits in `budget`,
+        preferring sizes that divide the batch evenly. Where not even a micro-batch of one sample
+        fits, it recommends `remat="auto"` (recomputing activations); its saving is not modelled, so
+        the plan's estimate is then an upper bound.
 
-        With `profile=True` it first measures near its recommendation until
-        that is a measured size (at most four rounds; docs/memory.md).
-        Without measurements the figures come from shapes alone: keep a wider
-        margin then (`SHAPES_ONLY_MARGIN`, 0.8).
+        With `profile=True` it first measures near its recommendation until that is a measured size
+        (at most four rounds; docs/memory.md). Without measurements the figures come from shapes
+        alone: keep a wider margin then (`SHAPES_ONLY_MARGIN`, 0.8).
 
         Args:
             batch_size: int, the effective batch size.
@@ -317,10 +312,9 @@ class MemoryPlanner:
     ) -> list[_remat_plan.RematCandidate]:
         """Measures the recomputation settings `remat="auto"` weighs, lowest peak first.
 
-        Measures, as `profile()` does, the lowest estimate, no recomputation,
-        a segment at every cut point and the others within 25% of the lowest
-        estimate (at most `count`). Pass the first one's `remat` to
-        `AccumulatingModel`. See docs/remat.md.
+        Measures, as `profile()` does, the lowest estimate, no recomputation, a segment at every cut
+        point and the others within 25% of the lowest estimate (at most `count`). Pass the first
+        one's `remat` to `AccumulatingModel`. See docs/remat.md.
 
         Args:
             batch_size: int, the effective batch.
