@@ -90,9 +90,8 @@ class SerializationMixin:
         return model
 
     def get_compile_config(self):
-        # Keras 3's `clone_model` rebuilds a functional model from its inputs
-        # and outputs and passes on only the compile config: the micro-batch
-        # setting travels with it.
+        # Keras 3's `clone_model` rebuilds a functional model from its inputs and outputs and passes
+        # on only the compile config: the micro-batch setting travels with it.
         config = super().get_compile_config()
         if not config:  # not compiled
             return config

@@ -117,8 +117,7 @@ def _run(parser, args) -> int:
         print(f"keras-memopt run: error: {error}", file=sys.stderr)
         return 2
     except FileNotFoundError:
-        # The shell's statuses: 127 for a command not found, 126 for one that
-        # cannot be run.
+        # The shell's statuses: 127 for a command not found, 126 for one that cannot be run.
         print(f"keras-memopt run: error: command not found: {command[0]}", file=sys.stderr)
         return 127
     except OSError as error:

@@ -66,10 +66,9 @@ def reduce_per_replica(values, strategy, reduction):
         if workers:
             if reduction == "concat":
                 return _multi_worker_concat(value, strategy)
-            # Keras 3 takes the mean over axis 0, which fails for the scalars
-            # a step returns (keras-team/keras#20585); tf_keras sums results
-            # its metrics already made global (its per-step logs come out
-            # doubled with two workers): the mean over the replicas is the
+            # Keras 3 takes the mean over axis 0, which fails for the scalars a step returns
+            # (keras-team/keras#20585); tf_keras sums results its metrics already made global (its
+            # per-step logs come out doubled with two workers): the mean over the replicas is the
             # figure one process reports, on both lines.
             return strategy.reduce("MEAN", value, axis=None)
         if not isinstance(value, tf.distribute.DistributedValues):

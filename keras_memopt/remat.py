@@ -114,9 +114,8 @@ class Remat(keras.layers.Wrapper):
         if _keras.BACKEND == "jax" and self.layer.built:
             # Keras puts them on the outputs, as for the wrapped layer's own call.
             return self.layer.compute_mask(inputs, mask)
-        # `call` attaches the wrapped layer's output masks; where it attached
-        # none there are none (on tf_keras, asking a wrapped model would run
-        # its forward pass once more).
+        # `call` attaches the wrapped layer's output masks; where it attached none there are none
+        # (on tf_keras, asking a wrapped model would run its forward pass once more).
         return None
 
 

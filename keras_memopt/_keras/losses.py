@@ -102,8 +102,7 @@ def track_loss(model, loss, batch_size):
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is None:
         return
-    # Keras divides the loss by the number of replicas so that summing
-    # gradients across replicas gives the global mean; the reported loss is
-    # the replica's own mean.
+    # Keras divides the loss by the number of replicas so that summing gradients across replicas
+    # gives the global mean; the reported loss is the replica's own mean.
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     tracker.update_state(loss * replicas, sample_weight=batch_size)

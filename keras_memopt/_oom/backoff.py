@@ -57,8 +57,7 @@ class BackoffPolicy:
             # attempt's frames (the message gives its text).
             raise exhausted(message)
         current = failure.micro_batch_size
-        # Per-replica sizes all shrink: the failed step does not say which
-        # replica's memory ran out.
+        # Per-replica sizes all shrink: the failed step does not say which replica's memory ran out.
         shrunk = tuple(
             size if size <= self.min_micro_batch_size else self.shrunk(size)
             for size in _sizes(current)

@@ -24,9 +24,8 @@ class UpdateGuard:
     then the update's) or checks that the measured need is free. Without a policy attached
     (`disarm`) the update runs unguarded, as in plain Keras."""
 
-    # What is added to the update's measured need before it is checked or
-    # reserved: the update's ops run in one order (chained), so its memory
-    # varies little between steps.
+    # What is added to the update's measured need before it is checked or reserved: the update's ops
+    # run in one order (chained), so its memory varies little between steps.
     _MARGIN = 1.01
     _MARGIN_BYTES = 256 * _KIB
 

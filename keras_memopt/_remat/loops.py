@@ -15,15 +15,13 @@ import tensorflow as tf
 
 LOOPS = frozenset({"While", "StatelessWhile"})
 CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-# How far a gradient loop runs ahead of its sum, as a share of the iterations
-# it may have in flight. Beside another loop (a bidirectional layer's two
-# directions): about half of them with one inter-op thread or busy cores, all
-# of them on idle cores (a bidirectional LSTM tagger, both Keras lines);
-# counting seven tenths puts the estimate near the geometric middle of the
-# step peaks of the two, within 1.3x of each. Alone, its sum mostly keeps up:
-# 2 to 16 of 32 time steps' weight gradients alive at a step's peak (GRU
-# taggers at batch 16 in fresh processes, tf_keras; 2 to 5 on Keras 3); an
-# eighth is counted.
+# How far a gradient loop runs ahead of its sum, as a share of the iterations it may have in flight.
+# Beside another loop (a bidirectional layer's two directions): about half of them with one inter-op
+# thread or busy cores, all of them on idle cores (a bidirectional LSTM tagger, both Keras lines);
+# counting seven tenths puts the estimate near the geometric middle of the step peaks of the two,
+# within 1.3x of each. Alone, its sum mostly keeps up: 2 to 16 of 32 time steps' weight gradients
+# alive at a step's peak (GRU taggers at batch 16 in fresh processes, tf_keras; 2 to 5 on Keras 3);
+# an eighth is counted.
 RUN_AHEAD = 0.7
 RUN_AHEAD_ALONE = 0.125
 # Ops in a loop's body that make nothing of an iteration's own.

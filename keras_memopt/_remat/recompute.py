@@ -42,10 +42,9 @@ def _after(tensors, upstream):
         if _differentiable(t):
             replayed.append(t + tf.cast(zero, t.dtype))
         else:
-            # Integer inputs too (a segment that starts with an Embedding's
-            # token ids), or the whole segment is recomputed during the
-            # forward pass. A control dependency: a select of `t` or `t`
-            # is simplified away.
+            # Integer inputs too (a segment that starts with an Embedding's token ids), or the whole
+            # segment is recomputed during the forward pass. A control dependency: a select of `t`
+            # or `t` is simplified away.
             with tf.control_dependencies([zero]):
                 replayed.append(tf.identity(t))
     return replayed
@@ -128,8 +127,7 @@ def _custom_backward(call, layer, args, kwargs, device, recomputed):
         return flat_outputs, gradient
 
     flat = checkpointed(*[leaves[i] for i in positions])
-    # The custom gradient's outputs are new tensors: they carry the masks the
-    # call gave its own.
+    # The custom gradient's outputs are new tensors: they carry the masks the call gave its own.
     outputs = output_structure[-1]
     result = tf.nest.pack_sequence_as(outputs, tf.nest.flatten(flat))
     return _keras.with_masks(result, _keras.masks_of(outputs))

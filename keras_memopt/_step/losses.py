@@ -35,8 +35,7 @@ class LossForm:
     terms: tuple[str, ...] = ()
     ignore_classes: tuple = ()
     masked: bool = False
-    # Per flat output, whether its loss sums over the batch (`reduction="sum"`);
-    # () where none does.
+    # Per flat output, whether its loss sums over the batch (`reduction="sum"`); () where none does.
     summed: tuple = ()
     # One kind per `Mean` metric the layers update in `call` (`layer_metrics`).
     metrics: tuple = ()

@@ -43,9 +43,8 @@ class Calibration:
 
     def peak_at(self, batch, micro) -> float:
         """The peak at (batch, micro) read from the measurements, in bytes."""
-        # One figure per micro-batch size: the one measured with the batch
-        # closest to `batch`, moved to `batch` by the shape cost of the
-        # samples in between.
+        # One figure per micro-batch size: the one measured with the batch closest to `batch`, moved
+        # to `batch` by the shape cost of the samples in between.
         nearest = {}
         for (b, m), peak in self.points.items():
             if m not in nearest or abs(b - batch) < abs(nearest[m][0] - batch):

@@ -75,8 +75,7 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
     gc.collect()
     before = _memory_in_use(device)
     model = None
-    # Every copy traces its own step functions: TensorFlow's retracing
-    # warning would be noise here.
+    # Every copy traces its own step functions: TensorFlow's retracing warning would be noise here.
     logger = tf.get_logger()
     level = logger.level
     logger.setLevel("ERROR")

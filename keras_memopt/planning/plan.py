@@ -13,9 +13,8 @@ __all__ = [
     "measured_choice",
 ]
 
-# The share of the budget to keep free when the figures come from shapes
-# alone, which miss working memory no tensor shows (docs/benchmarks.md, "The
-# estimate without measuring").
+# The share of the budget to keep free when the figures come from shapes alone, which miss working
+# memory no tensor shows (docs/benchmarks.md, "The estimate without measuring").
 SHAPES_ONLY_MARGIN = 0.8
 # Measured near the recommendation, a step's peak still spreads from process
 # to process (docs/benchmarks.md).
