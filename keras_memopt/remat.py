@@ -32,20 +32,14 @@ def _takes(layer, argument):
 class Remat(keras.layers.Wrapper):
     """Recomputes a layer in the backward pass instead of keeping its activations.
 
-    The wrapped layer's forward pass keeps only its inputs; when the backward
-    pass reaches it, the layer runs again, for one more forward pass of the
-    layer per training step. Wrap the big repeated blocks of a subclassed
-    model; functional models use `AccumulatingModel(..., remat="auto")`.
-
-    Exact: the same dropout masks, state (BatchNormalization's statistics) updated once. Keyword
-    arguments (`training`, `mask`) and the input's Keras mask reach the wrapped layer. A layer that
-    adds losses in `call` (activity regularisers, `add_loss`) or a `SpectralNormalization` is
-    refused. On tf_keras, two calls of one random layer within one wrapped call share a mask; on JAX
-    the outputs carry the masks of the layer's `compute_mask`. See docs/remat.md.
+    The forward pass keeps only the layer's inputs; the backward pass runs the layer again (one more
+    forward pass of it per step), exactly: the same dropout masks, state updated once. Wrap the big
+    repeated blocks of a subclassed model; functional models use `remat="auto"`. A layer that adds
+    losses in `call` or a `SpectralNormalization` is refused. Details, tf_keras and JAX:
+    docs/remat.md.
 
     Args:
-        layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to
-            recompute in the backward pass.
+        layer: a `keras.layers.Layer` (a block, a `keras.Model`, ...) to recompute.
         **kwargs: passed on to `keras.layers.Layer` (`name`, ...).
 
     Example:

@@ -138,29 +138,24 @@ class CustomSteps:
     def accumulate_gradients(self, loss_fn, data, variables, optimizer=None, forward=None):
         """The batch's loss and gradients, computed micro-batch by micro-batch.
 
-        Runs `loss_fn(micro_batch)` over the micro-batches of `data` in the loop `train_step` uses,
-        weights each loss by its fraction of the batch and returns the batch's loss and the summed
-        gradients: what one `tf.GradientTape` over the whole batch gives when `loss_fn` returns a
-        mean over samples. Call it as often as a step needs. For a loss that couples the samples
-        pass `forward`. With a loss-scale optimizer, apply the gradients with `optimizer`, which
-        unscales them. See docs/custom-train-steps.md.
+        What one `tf.GradientTape` over the whole batch gives when `loss_fn` returns a mean over
+        samples, from the loop `train_step` uses; call it as often as a step needs. For a loss that
+        couples the samples pass `forward`. See docs/custom-train-steps.md.
 
         Args:
-            loss_fn: a function of one micro-batch (a slice of `data`, same
-                structure) returning its mean loss, a scalar tensor.
-            data: the batch: a tensor or a nest (tuple, dict) of tensors
-                whose first axis is the batch.
+            loss_fn: a function of one micro-batch (a slice of `data`) returning its mean loss.
+            data: the batch: a tensor or a nest of tensors whose first axis is the batch.
             variables: the variables to differentiate.
-            optimizer: the optimizer that will apply the gradients, for loss
-                scaling. Defaults to the model's.
+            optimizer: the optimizer that will apply the gradients (a loss-scale one unscales
+                them). Defaults to the model's.
             forward: a function of one micro-batch returning its outputs; then `loss_fn(outputs,
                 data)` is the loss of the whole batch's outputs, concatenated, and the gradients are
                 its, exactly. Defaults to None.
 
         Returns:
-            `(loss, gradients)`: the batch's loss (float32, or float64 for a
-            float64 loss) and one gradient per variable (None where the loss
-            does not depend on it; `tf.IndexedSlices` for an Embedding's).
+            `(loss, gradients)`: the batch's loss (float32, or float64 for a float64 loss) and one
+            gradient per variable (None where the loss does not depend on it; `tf.IndexedSlices`
+            for an Embedding's).
 
         Example:
 

@@ -29,14 +29,10 @@ keras = _keras.keras
 class MemoryPlanner:
     """Estimates and plans the peak memory of training a model in micro-batches.
 
-    The estimate counts what an `AccumulatingModel` train step holds at its peak: the parameters,
-    the optimizer's slots, the float32 gradient accumulators, one micro-batch's gradients, the whole
-    input batch (the effective batch arrives at once) and the activations that one micro-batch's
-    step holds at its peak, counted from its traced graph.
-
-    `profile()` measures real train steps and `estimate()` then interpolates between them; `plan()`
-    recommends a micro-batch size for a budget. The figures are one train step's, not the data
-    set's: keep `plan()`'s `margin`. What is counted, how well, and why: docs/memory.md.
+    `estimate()` counts a train step's peak from shapes and the traced graph, `profile()` measures
+    real train steps (which `estimate()` then interpolates), `plan()` recommends a micro-batch size
+    for a budget; the figures are one train step's: keep `plan()`'s `margin`. What is counted, how
+    well, and why: docs/memory.md.
 
     Args:
         model: a built `keras.Model` (an `AccumulatingModel` or a plain model)
@@ -151,11 +147,9 @@ class MemoryPlanner:
     ) -> dict[int, int | None]:
         """Measures real train steps and calibrates the estimate with them.
 
-        Each size trains a fresh copy of the model (the model itself is not touched) on synthetic
-        data: the highest allocator peak of three steps after a tracing step, plus the margin
-        `micro_batch_size="auto"` keeps (docs/memory.md). On a CPU each size runs in a fresh process
-        (see `isolate`). Measurements add up over calls (a size measured again replaces the old
-        figure).
+        Each size trains a fresh copy of the model on synthetic data (how: docs/memory.md), on a
+        CPU in a fresh process (`isolate`). Measurements add up over calls (a size measured again
+        replaces the old figure).
 
         Args:
             micro_batch_sizes: two or more distinct ints, the micro-batch sizes to measure. Defaults
@@ -164,13 +158,12 @@ class MemoryPlanner:
             batch_size: int, the batch each micro-batch size is measured with. Defaults to one
                 micro-batch per batch. Give the batch size you will train with: a larger batch costs
                 more than its input tensors' bytes.
-            verbose: int, 1 to print a line per measurement (its peak and
-                how long it took), 0 for none. Defaults to 0.
+            verbose: int, 1 to print a line per measurement (its peak and time), 0 for none.
+                Defaults to 0.
 
         Returns:
-            A dict from micro-batch size to the measured peak in bytes
-            (parameters and optimizer slots included), or to `None` for a
-            size that ran out of memory.
+            A dict from micro-batch size to the measured peak in bytes (parameters and optimizer
+            slots included), or to `None` for a size that ran out of memory.
 
         Raises:
             ValueError: if fewer than two distinct sizes are given, or a size exceeds `batch_size`.
@@ -257,20 +250,16 @@ class MemoryPlanner:
     ) -> MemoryPlan:
         """Recommends the micro-batch size (and remat) for a batch and a budget.
 
-        Picks the largest micro-batch size whose estimated peak, plus `margin`, fits in `budget`,
-        preferring sizes that divide the batch evenly. Where not even a micro-batch of one sample
-        fits, it recommends `remat="auto"` (recomputing activations); its saving is not modelled, so
-        the plan's estimate is then an upper bound.
-
-        With `profile=True` it first measures near its recommendation until that is a measured size
-        (at most four rounds; docs/memory.md). Without measurements the figures come from shapes
-        alone: keep a wider margin then (`SHAPES_ONLY_MARGIN`, 0.8).
+        The largest micro-batch size whose estimated peak, plus `margin`, fits in `budget`
+        (preferring sizes that divide the batch); where not even one sample fits, `remat="auto"`,
+        its estimate then an upper bound. Without measurements keep a wider margin
+        (`SHAPES_ONLY_MARGIN`, 0.8). How `profile=True` measures: docs/memory.md.
 
         Args:
             batch_size: int, the effective batch size.
             budget: the memory available: bytes, or a string such as `"8GiB"` or `"512MB"`.
-            margin: float, the share of the budget kept free for what the
-                estimate misses. Defaults to 0.1.
+            margin: float, the share of the budget kept free for what the estimate misses.
+                Defaults to 0.1.
             profile: bool, whether to measure real train steps near the recommendation first.
                 Defaults to `False` (shapes and any earlier `profile()` measurements only).
             verbose: int, 1 to print a line per measurement. Defaults to 0.
@@ -323,8 +312,8 @@ class MemoryPlanner:
             verbose: int, 1 to print a line per measurement. Defaults to 0.
 
         Returns:
-            A list of `RematCandidate` (description, `remat`, estimated and
-            measured peak in bytes), lowest measured first.
+            A list of `RematCandidate` (description, `remat`, estimated and measured peak in
+            bytes), lowest measured first.
 
         Raises:
             ValueError: for a model that is not functional or has no tensor
