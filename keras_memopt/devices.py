@@ -30,15 +30,14 @@ def configure_devices(
     without GPUs it warns and changes nothing but the allocator setting. See docs/devices.md.
 
     Args:
-        memory_growth: bool, whether TensorFlow takes GPU memory as it needs
-            it (so that processes can share a GPU). Defaults to None (off).
+        memory_growth: bool, whether TensorFlow takes GPU memory as it needs it (so that
+            processes can share a GPU). Defaults to None (off).
         memory_limit: a size (bytes, or a string such as `"4GiB"`), or a list of sizes, one per
             chosen GPU: what TensorFlow may use on each. Defaults to None (no limit).
         logical_devices: int, logical devices per chosen GPU, each getting `memory_limit`, or an
             even share of the GPU's memory read with NVML. Defaults to None (one).
-        allocator: str, `"cuda_malloc_async"` (CUDA's stream-ordered
-            allocator, against fragmentation) or `"bfc"` (TensorFlow's
-            default). Defaults to None (leave `TF_GPU_ALLOCATOR` as it is).
+        allocator: str, `"cuda_malloc_async"` (CUDA's stream-ordered allocator, against
+            fragmentation) or `"bfc"` (TensorFlow's default). Defaults to None (`TF_GPU_ALLOCATOR`).
         gpus: list of int, the indices of the physical GPUs to configure, as TensorFlow numbers them
             (after `CUDA_VISIBLE_DEVICES`). Defaults to all.
 

@@ -43,9 +43,8 @@ class AccumulatingModel(
     plain Keras computes on the whole batch. `evaluate` and `predict` split large batches the same
     way. What is exact and what is not: docs/accumulation.md.
 
-    Build it functionally, subclass it instead of `keras.Model`, or wrap a
-    model with `from_model` (the example shows each). Changing the
-    micro-batch setting retraces nothing; changing `remat` traces anew.
+    Build it functionally, subclass it, or wrap a model with `from_model` (the example shows each).
+    Changing the micro-batch setting retraces nothing; changing `remat` traces anew.
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch (per replica under a
@@ -56,20 +55,16 @@ class AccumulatingModel(
         accumulation_steps: int, the number of micro-batches to split each batch into, as evenly as
             possible. Give at most one of `micro_batch_size` and `accumulation_steps`; with neither,
             each batch is one micro-batch (until, say, `OOMBackoff` shrinks it).
-        remat: recomputed segments of a functional model, their activations freed after the forward
-            pass and recomputed, exactly, in the backward pass. `"auto"` chooses them from the
-            graph; a list of layer names cuts the model after each named layer, whose output must
-            separate the graph, and recomputes every segment but the last. Subclassed models wrap
-            blocks in `keras_memopt.Remat` instead. See docs/remat.md. Defaults to `None`.
-        replica_shares: under a `tf.distribute.MirroredStrategy`, each
-            replica's share of every batch (a list of positive numbers, or
-            `"auto"` for each device's memory). Defaults to `None` (even parts).
-        devices: list of device names (`["/GPU:0", "/GPU:1"]`): cuts a
-            functional model into one segment per device, run one after
-            another (docs/distributed.md). Defaults to `None` (one device).
-        device_cuts: `"auto"` (balanced by memory) or the names of the
-            `len(devices) - 1` layers whose outputs end the segments, as for
-            `remat`. See `keras_memopt.placement`. Defaults to `"auto"`.
+        remat: recomputed segments of a functional model: `"auto"`, or the names of the layers to
+            cut after (each output must separate the graph); every segment but the last is
+            recomputed. Subclassed models use `keras_memopt.Remat`. See docs/remat.md. Defaults to
+            `None`.
+        replica_shares: under a `MirroredStrategy`, each replica's share of every batch (positive
+            numbers, or `"auto"` for each device's memory). Defaults to `None` (even parts).
+        devices: list of device names (`["/GPU:0", "/GPU:1"]`): one segment of a functional model
+            per device, run one after another (docs/distributed.md). Defaults to `None`.
+        device_cuts: `"auto"` (balanced by memory) or the names of the `len(devices) - 1` layers
+            whose outputs end the segments. See `keras_memopt.placement`. Defaults to `"auto"`.
         whole_batch_loss: bool. `True` evaluates the loss and the compiled metrics once, on the
             whole batch's outputs, for losses that couple the samples of a batch (contrastive,
             listwise ranking), for about one more forward pass; see docs/whole-batch-loss.md.
@@ -106,9 +101,8 @@ class AccumulatingModel(
     ```
 
     Raises:
-        ValueError: if both `micro_batch_size` and `accumulation_steps` are
-            given, or one is not a positive integer; for `remat`, `devices` or
-            `device_cuts` that do not fit the model (before it changes).
+        ValueError: if both `micro_batch_size` and `accumulation_steps` are given, or one is not a
+            positive integer; for `remat`, `devices` or `device_cuts` that do not fit the model.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -172,9 +166,8 @@ class AccumulatingModel(
     ) -> AccumulatingModel:
         """Wraps an existing model; the result shares its layers and weights.
 
-        A functional or `Sequential` model is rebuilt as a functional
-        `AccumulatingModel` over the same layers; a subclassed model is called
-        as one layer, so it must have been built (called once) first.
+        A functional or `Sequential` model is rebuilt over the same layers; a subclassed model is
+        called as one layer, so it must have been built (called once) first.
 
         Args:
             model: a built `keras.Model`.
@@ -183,8 +176,7 @@ class AccumulatingModel(
             name: the new model's name. Defaults to the wrapped model's name.
 
         Returns:
-            An `AccumulatingModel` that trains, evaluates and predicts exactly
-            as `model` would, in micro-batches.
+            An `AccumulatingModel` that trains, evaluates and predicts as `model`, in micro-batches.
         """
         _keras.check_line("model", model)
         inputs, outputs = wrapped_inputs_outputs(model)

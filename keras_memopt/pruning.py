@@ -26,8 +26,8 @@ def prune_low_magnitude(model, **kwargs):
         model: a functional or `Sequential` tf_keras model (an `AccumulatingModel` or not), a layer,
             or a list of layers, as for tfmot. Inside a subclassed `AccumulatingModel`, wrap its
             layers with this function instead.
-        **kwargs: passed on to tfmot: `pruning_schedule`, `block_size`,
-            `block_pooling_type`, `pruning_policy`, `sparsity_m_by_n`.
+        **kwargs: passed on to tfmot: `pruning_schedule`, `block_size`, `block_pooling_type`,
+            `pruning_policy`, `sparsity_m_by_n`.
 
     Returns:
         The model (or layer, or list of layers) with pruning wrappers.
@@ -53,16 +53,14 @@ def prune_low_magnitude(model, **kwargs):
 def strip_pruning(model):
     """Removes the pruning wrappers, keeping the pruned (sparse) weights.
 
-    Calls `tfmot.sparsity.keras.strip_pruning`; an `AccumulatingModel` comes
-    back as an `AccumulatingModel` with the same settings: the model to
-    export, its weights holding the schedule's zeros.
+    Calls `tfmot.sparsity.keras.strip_pruning`; an `AccumulatingModel` comes back as one with the
+    same settings: the model to export, its weights holding the schedule's zeros.
 
     Args:
         model: a model returned by `prune_low_magnitude`, trained.
 
     Returns:
-        The same architecture as the model before pruning, with sparse
-        weights.
+        The same architecture as the model before pruning, with sparse weights.
 
     Example:
 

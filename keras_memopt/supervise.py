@@ -68,9 +68,8 @@ def supervise(
 
     Args:
         command: list of str, the training command (`["python", "train.py"]`).
-        factor: float in (0, 1), the cap after a crash is this times the
-            micro-batch size in use when the process died (rounded down, and
-            always at least one sample smaller). Defaults to `0.5`.
+        factor: float in (0, 1), the cap after a crash is this times the micro-batch size in use
+            when the process died (rounded down, at least one sample smaller). Defaults to `0.5`.
         min_micro_batch_size: int, the smallest cap; a crash at this size is final, unless the
             restart is the first without oneDNN kernels. Defaults to `1`.
         max_restarts: int, how many restarts at the most. Defaults to `5`.
@@ -78,8 +77,7 @@ def supervise(
             not restarted; 0 for silence. Defaults to `1`.
 
     Returns:
-        The training process's last exit status (0 when it trained), 130 when
-        interrupted.
+        The training process's last exit status (0 when it trained), 130 when interrupted.
 
     Raises:
         ValueError: for an empty `command` or an invalid argument.
