@@ -1,9 +1,6 @@
-"""`micro_batch_size="auto"`: the largest micro-batch that trains a run of steps, with headroom.
-
-From the whole batch, each out-of-memory error rolled back and the size shrunk by the attached
-`OOMBackoff`'s policy (or a quiet default one); the first size that runs must then train `STEPS`
-consecutive steps with their peaks' spread free (`headroom`), else it shrinks and a new run starts.
-Kept in `model.micro_batch_search`. See docs/oom-backoff.md."""
+"""`micro_batch_size="auto"`: from the whole batch, shrunk by the backoff policy at each
+out-of-memory error, the first size that runs must train `STEPS` steps with their peaks' spread
+free (`headroom`), else it shrinks. Kept in `model.micro_batch_search`; docs/oom-backoff.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The out-of-memory backoff policy: shrink the micro-batch where that helps, else report.
-
-`BackoffPolicy` is what the step runner asks after an attempt ran out of memory and was put back: it
-sets the smaller micro-batch to retry the same batch with, or raises the report of why none can
-help. `OOMBackoff` owns one and attaches it for the length of `fit`, `evaluate` or `predict`;
-`micro_batch_size="auto"` uses it, or a quiet one of its own. The rule, by where memory ran out:
-docs/oom-backoff.md."""
+"""The out-of-memory backoff policy, asked by the step runner after a failed attempt was put back:
+a smaller micro-batch for the same batch, or the report of why none helps. `OOMBackoff` owns one;
+`micro_batch_size="auto"` uses it or a quiet one. The rule: docs/oom-backoff.md."""
 
 from __future__ import annotations
 

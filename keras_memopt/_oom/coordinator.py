@@ -1,9 +1,7 @@
-"""Running one step's functions: on one worker, or on several that must retry together.
-
-The runner attempts a step in three calls: `run` (what may fail on this worker alone), `agree`
-(every worker's status) and `finish` (the collective rest). On one worker `run` is the whole step.
-Under several, a worker that retried alone would wait in collective ops the others never join
-(measured: every worker hangs). See docs/distributed.md."""
+"""A step's functions on one worker, or in three calls on several that must retry together: `run`
+(what may fail on this worker alone), `agree` (every worker's status), `finish` (the collective
+rest). A worker that retried alone would wait in collective ops the others never join (measured:
+every worker hangs). See docs/distributed.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Out-of-memory errors: recognise them (`is_oom`), say what failed (`parse_oom`), where (`Phase`)
-and what the step holds (`StepMemory`), and the message a user reads (`report`). Deciding what to do
-is `OOMBackoff`'s and `keras-memopt run`'s; recovering is the step runner's.
-"""
+and what the step holds (`StepMemory`), and the message a user reads (`report`)."""
 
 from __future__ import annotations
 

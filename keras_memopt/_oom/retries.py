@@ -1,10 +1,7 @@
-"""Retrying a step that ran out of memory: the one loop, around the step.
-
-With a policy attached (`OOMBackoff`, `micro_batch_size="auto"`), the step runner hands each step to
-`Retries.run`: attempt; on an out-of-memory error put back what the attempt changed
-(`_step.rollback`), ask the policy, attempt the same batch again (the size is run-time state:
-nothing is retraced). An error is kept as its text, its tracebacks dropped: nothing of a failed
-attempt outlives the retry. Several workers agree on each attempt (`_oom.coordinator`)."""
+"""Retrying a step that ran out of memory: attempt; put back what it changed (`_step.rollback`),
+ask the policy, attempt the same batch again (nothing retraced). An error is kept as its text, its
+tracebacks dropped: nothing of a failed attempt outlives the retry. Several workers agree on each
+attempt (`_oom.coordinator`)."""
 
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ from keras_memopt._step import rollback as _rollback
 
 
 class Retries:
-    """Attempts of one `kind` of step, each put back where it ran out of memory; `own`: the
-    model's own step (its update guarded, the loop's state all a failed attempt changes before
-    it)."""
+    """Attempts of one `kind` of step, each put back where it ran out of memory; `own`: the model's
+    own step (its update guarded, the loop's state all a failed attempt changes before it)."""
 
     def __init__(self, model, kind, own, state):
         self.model = model
@@ -149,9 +145,9 @@ class Retries:
 
     @staticmethod
     def _run_once(coordinator, data, spec):
-        """`(status, error, outputs, seconds)` of this worker's part of the step. An
-        out-of-memory error comes back as its text (its tracebacks' frames would keep the
-        batch allocated); another is raised, or under several workers comes back as it is."""
+        """`(status, error, outputs, seconds)` of this worker's part of the step. An out-of-memory
+        error comes back as its text (its frames would keep the batch allocated); another is
+        raised, or under several workers comes back as it is."""
         started = time.perf_counter()
         try:
             outputs = coordinator.run(data, spec)
@@ -187,8 +183,7 @@ class Retries:
         """What the failed attempt at micro-batch `size` held on `device`, from `in_use` on."""
         model = self.model
         guard = self.state.guard
-        # The loop's peak: read when the update began, in an attempt that
-        # measured it (a new window started there); else the attempt's peak.
+        # The loop's peak: read when the update began, where measured (a new window started there).
         peak = guard.loop_peak(device) or memory.step_peak(device)
         optimizer = getattr(model, "optimizer", None)
         slots = _keras.optimizer_variables(optimizer) if optimizer else []

@@ -1,10 +1,8 @@
-"""The update's guard: an update starts only where it is known to fit.
-
-The first attempt at each micro-batch size measures what the update allocates above its start (the
-runner keeps the update's variables in host memory meanwhile); later updates first check that much
-is free, and stop with an out-of-memory error before anything of the update ran, or, where the
-device's total is not known, reserve it. Why checking is preferred: docs/oom-backoff.md. The step's
-update waits for `begin`; the runner arms, disarms and reads."""
+"""The update's guard: an update starts only where it is known to fit. The first attempt at each
+micro-batch size measures what the update allocates (its variables kept in host memory meanwhile);
+later updates first check that much is free (else stop before any of it ran), or, where the device's
+total is not known, reserve it. Why: docs/oom-backoff.md. The update waits for `begin`; the runner
+arms, disarms and reads."""
 
 from __future__ import annotations
 

@@ -239,8 +239,7 @@ def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
             over the micro-batches. Defaults to None (every output summed).
 
     Returns:
-        `fn`'s outputs summed (or folded by `reductions`), in its structure
-        and dtypes.
+        `fn`'s outputs summed (or folded by `reductions`), in its structure and dtypes.
     """
     function, specs = micro_function(fn, data, *args, jit_compile=jit_compile)
     batch_size = batch_size_of(data)
