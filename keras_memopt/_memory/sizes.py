@@ -57,8 +57,7 @@ def bytes_if_known(shape, dtype, unknown_dim: int | None = None) -> int | None:
     """Bytes of a tensor of `shape` and `dtype`.
 
     An unknown dimension (None) counts as `unknown_dim`; without it, the
-    result is None: there is no honest number.
-    """
+    result is None: there is no honest number."""
     size = 1
     for dim in shape:
         if dim is None:

@@ -46,8 +46,7 @@ def is_oom(error: BaseException) -> bool:
     Besides `ResourceExhaustedError`: `InvalidArgumentError: Cannot parse tensor from proto` (a
     folded constant not allocated, seen on CPU under a memory limit), `UnknownError` or
     `InternalError` naming resource exhaustion or "Dst tensor is not initialized" (GPUs), and on
-    JAX a `JaxRuntimeError` beginning `RESOURCE_EXHAUSTED:` (at compile or run time).
-    """
+    JAX a `JaxRuntimeError` beginning `RESOURCE_EXHAUSTED:` (at compile or run time)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

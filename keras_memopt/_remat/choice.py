@@ -46,8 +46,7 @@ class TracedUnits:
     """A model's step traced unit by unit, and the schedule of a set of cuts.
 
     `units`: the segments' functional models, in order, the last the head;
-    `adding_loss`: the first unit that adds an `add_loss` term in `call`, or None.
-    """
+    `adding_loss`: the first unit that adds an `add_loss` term in `call`, or None."""
 
     def __init__(self, model, units):
         inputs, _ = _keras.nested_inputs_outputs(model)

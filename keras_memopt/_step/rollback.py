@@ -65,8 +65,7 @@ class Snapshot:
     while held is copied by the update: for small or unchanged variables.
     Putting back is eager (tracing it cost about a second on a small MLP).
 
-    `variables` returns them, at each `take` (a model makes some lazily).
-    """
+    `variables` returns them, at each `take` (a model makes some lazily)."""
 
     def __init__(self, variables, strategy):
         self._list = variables

@@ -16,8 +16,7 @@ class MicroBatchSetting:
 
     `micro_batch_size` may be a tuple (one per replica) or `"auto"`; `cap`, the
     largest size this process may use. `ValueError` for a setting
-    `micro_batch_split` refuses, or a tuple that is not one per replica.
-    """
+    `micro_batch_split` refuses, or a tuple that is not one per replica."""
 
     def __init__(
         self, replicas: int, micro_batch_size=None, accumulation_steps=None, cap=None

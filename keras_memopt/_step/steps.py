@@ -4,8 +4,7 @@ Read it as Keras's own `train_step` (keras/src/backend/tensorflow/trainer.py) wi
 split: `train_step` = `_train_gradients` (the micro-batch loop, no collective op) then
 `_train_update` (one update, the metrics' results); `test_step` = `_test_loss` then `_test_logs`
 (separate parts, so that several workers can agree between them); with `whole_batch_loss=True`
-the loop is `_whole_batch_pass`; `predict_step` concatenates the micro-batches' predictions.
-"""
+the loop is `_whole_batch_pass`; `predict_step` concatenates the micro-batches' predictions."""
 
 from __future__ import annotations
 

@@ -38,8 +38,7 @@ class WholeBatch:
 
     `forward(micro)` returns `(outputs, penalty)`: the outputs and a scalar added to the loss (its
     fraction of the `model.losses` terms). `rerun` runs step 3's pass (a function of no arguments),
-    leaving the layers' own metrics as they were.
-    """
+    leaving the layers' own metrics as they were."""
 
     def __init__(self, model, forward, jit_compile=False, rerun=None):
         self.model = model
