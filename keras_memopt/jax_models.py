@@ -94,9 +94,9 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     regularisers on a functional model's layers (`add_loss`; also where it is
     split), an overridden `compute_loss`, a `keras.distribution` other than
     `DataParallel` (`ModelParallel`), an optimizer with its own
-    `gradient_accumulation_steps`, and `accumulate_gradients`'s `forward`
+    `gradient_accumulation_steps`, `accumulate_gradients`'s `forward`
     and loss-scale optimizers (the first step's check of a custom `loss_fn`
-    does not run on JAX).
+    does not run on JAX), and a sparse input (where the batch is split).
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch
