@@ -77,13 +77,18 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _fuzz_cases import Spec, draw  # noqa: E402
+from _fuzz_cases import Spec, draw, jax_refusals  # noqa: E402
 from _fuzz_models import arm_fault, build_model, fit_callbacks  # noqa: E402
 from _fuzz_training import compile_kwargs, custom_objects, make_data, make_optimizer  # noqa: E402
 from _oracles import build_first, dense_gradients  # noqa: E402
 
-from keras_memopt._keras import LEGACY, keras  # noqa: E402
+from keras_memopt._keras import BACKEND, LEGACY, keras  # noqa: E402
 from keras_memopt.callbacks import OOMBackoff  # noqa: E402
+
+if BACKEND == "jax":  # float64 on JAX, before any array is made
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
 
 RTOL = 1e-9
 FLOOR = 1e-5
@@ -153,8 +158,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         if spec.validation:
             validation = labelled["x"] if spec.dataset else (x, y, *weights)
             fit_kwargs = dict(fit_kwargs, validation_data=validation)
-        history = model.fit(
-            **labelled, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
+        history = _fit(
+            model, **labelled, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
             **fit_kwargs,
         ).history
         if spec.reload:
@@ -167,8 +172,8 @@ def train(spec, accumulating: bool, initial=None) -> Run:
                 if setting == "accumulation_steps":
                     model.micro_batch_size = None  # where `OOMBackoff` set one
                 setattr(model, setting, value + 1)
-            more = model.fit(
-                **_feed(spec, x, y, weights, spec.batch_size + 2)[0], epochs=EPOCHS + 1,
+            more = _fit(
+                model, **_feed(spec, x, y, weights, spec.batch_size + 2)[0], epochs=EPOCHS + 1,
                 initial_epoch=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks,
                 **fit_kwargs,
             )
@@ -190,6 +195,29 @@ def train(spec, accumulating: bool, initial=None) -> Run:
         raised=fault.raised if fault is not None else 0,
         segments=len(getattr(model, "recomputed_segments", ())),
     )
+
+
+def _fit(model, **kwargs):
+    """`model.fit(**kwargs)`; what it raises says whether it left the model's weights and
+    its optimizer's count of updates as they were (`untouched`: a refusal must)."""
+    before = _trace_of(model)
+    try:
+        return model.fit(**kwargs)
+    except Exception as error:
+        try:
+            after = _trace_of(model)
+        except Exception:  # noqa: BLE001 - a variable left unreadable (Keras's JAX state)
+            after = None
+        error.untouched = after is not None and len(before) == len(after) and all(
+            np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True))
+        raise
+
+
+def _trace_of(model):
+    """What an update changes: the model's weights and its optimizer's `iterations`."""
+    iterations = getattr(model.optimizer, "iterations", None)
+    counts = [] if iterations is None else [np.asarray(iterations)]
+    return [np.array(v) for v in model.weights] + counts
 
 
 def _reloaded(model, accumulating):
@@ -321,13 +349,18 @@ class Result:
     raised: int = 0  # out-of-memory errors injected in the AccumulatingModel's run
     segments: int = 0  # the segments the AccumulatingModel's run recomputed
     trace: str | None = None  # the traceback of what either run raised
+    # What AccumulatingModel refused (on JAX), naming a feature the case draws, and
+    # before any update: counted apart, neither a pass nor a failure.
+    refused: str | None = None
 
     @property
     def passed(self):
-        return self.error is None and self.invalid is None and not self.failures
+        return (self.error is None and self.invalid is None and self.refused is None
+                and not self.failures)
 
     def line(self):
         status = "PASS" if self.passed else ("INVALID" if self.invalid else "FAIL")
+        status = "REFUSED" if self.refused else status
         detail = f"worst={self.worst:.1e}"
         if self.spec.oom_at:
             detail += f" backed off {self.raised}x"
@@ -335,6 +368,8 @@ class Result:
             detail += f" recomputed {self.segments} segment(s)"
         if self.invalid:
             detail = f"plain Keras raised {self.invalid}"
+        elif self.refused:
+            detail = f"refused {self.refused}"
         elif self.error:
             detail = f"raised {self.error}"
         elif self.failures:
@@ -372,14 +407,24 @@ def run(spec: Spec, strategy=None) -> Result:
         try:
             received = train(spec, accumulating=True, initial=expected.initial)
         except Exception as error:  # noqa: BLE001 - a case's failure, reported
-            return Result(spec, float("inf"), {}, _summary(error), time.perf_counter() - started,
-                          trace=traceback.format_exc())
+            seconds, refused = time.perf_counter() - started, _refusal(spec, error)
+            return Result(spec, float("inf"), {}, None if refused else _summary(error), seconds,
+                          refused=refused, trace=traceback.format_exc())
     errors = differences(expected, received)
     failures = {k: v for k, v in errors.items() if not v <= RTOL}
     worst = max(errors.values(), default=0.0)
     seconds = time.perf_counter() - started
     return Result(spec, worst, failures, None, seconds, raised=received.raised,
                   segments=received.segments)
+
+
+def _refusal(spec, error):
+    """What `error` refused, where it names a feature of the case that the JAX line
+    refuses (`_fuzz_cases.jax_refusals`) and left the model untouched; else None."""
+    named = [feature for feature, words in jax_refusals(spec).items() if words in str(error)]
+    if not named or not getattr(error, "untouched", True):
+        return None
+    return f"{' and '.join(named)} ({_summary(error)})"
 
 
 def _summary(error):
@@ -403,9 +448,11 @@ def main(argv=None):
     parser.add_argument("--traceback", action="store_true",
                         help="print the whole traceback of what a case's run raised")
     args = parser.parse_args(argv)
-    # Two logical CPUs for the cases under `MirroredStrategy`, as the tests have them.
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    if BACKEND != "jax":
+        # Two logical CPUs for the cases under `MirroredStrategy`, as the tests have them.
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     tf.get_logger().setLevel("ERROR")  # retracing notes: every case traces anew
     seeds = args.seed or range(args.first, args.first + args.cases)
     if args.only:
@@ -417,14 +464,17 @@ def main(argv=None):
         print(result.line(), flush=True)
         if args.traceback and result.trace:
             print(result.trace, flush=True)
-    failed = [r.spec.seed for r in results if not r.passed and not r.invalid]
+    failed = [r.spec.seed for r in results if not (r.passed or r.invalid or r.refused)]
     invalid = [r.spec.seed for r in results if r.invalid]
-    passed = len(results) - len(failed) - len(invalid)
+    refused = [r.spec.seed for r in results if r.refused]
+    passed = len(results) - len(failed) - len(invalid) - len(refused)
     worst = max((r.worst for r in results if r.passed), default=0.0)
-    line = "Keras 3" if not LEGACY else "tf_keras"
+    line = {"jax": "Keras 3 on JAX"}.get(BACKEND, "Keras 3" if not LEGACY else "tf_keras")
+    refusals = f"; refused seeds: {refused}" if BACKEND == "jax" else ""
     print(
         f"summary: {passed}/{len(results)} passed on {line} at rtol {RTOL:g} "
         f"(worst passing {worst:.1e}); failed seeds: {failed}; invalid seeds: {invalid}"
+        f"{refusals}"
     )
     return 1 if failed else 0
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from keras_memopt._keras import LEGACY, keras
+from keras_memopt._keras import BACKEND, LEGACY, keras
 
 VOCAB, LENGTH, CLASSES = 12, 8, 4
+# Keras 3 on JAX: no `tf.distribute` strategy, ragged tensor, string tensor in the model
+# or `tf.py_function` (the out-of-memory fault): those are not drawn there.
+JAX = BACKEND == "jax"
 
 LINEAR_FAMILIES = ("dense", "conv1d", "conv2d", "pooled", "recurrent", "tagger", "sparse")
-FAMILIES = (*LINEAR_FAMILIES, "attention", "two_inputs", "ragged")
+FAMILIES = (*LINEAR_FAMILIES, "attention", "two_inputs", *(() if JAX else ("ragged",)))
 # Drawn with `jit_compile` sometimes: XLA compiles each micro-batch shape, which takes
 # seconds for these small models and a minute for recurrent and attention ones.
 JIT_FAMILIES = ("dense", "conv1d", "conv2d", "pooled")
@@ -350,11 +353,12 @@ def draw(seed: int) -> Spec:
     remat = "each" if not spec.regularize and r.random() < 0.3 else None
     # XLA compiles no `tf.py_function`, which the fault layer runs; a
     # micro-batch of one sample has nothing to back off to.
-    faulty = not spec.jit_compile and split != (("micro_batch_size", 1),)
+    faulty = not (spec.jit_compile or JAX) and split != (("micro_batch_size", 1),)
     oom_at = r.randint(2, 16) if faulty and r.random() < 0.3 else None
     # A strategy distributes no sparse or ragged batches of these inputs; plain
     # Keras 3 compiles no step under it with XLA on the CPU.
-    mirrored = family not in ("sparse", "ragged") and not spec.jit_compile and r.random() < 0.15
+    mirrored = (family not in ("sparse", "ragged") and not (spec.jit_compile or JAX)
+                and r.random() < 0.15)
     validation = r.random() < 0.2
     dataset = r.random() < 0.25
     frozen = r.randint(0, 2) if r.random() < 0.2 else None
@@ -398,7 +402,7 @@ def draw(seed: int) -> Spec:
         spec = dataclasses.replace(spec, remat="auto4096")
     # XLA compiles no string lookup; plain Keras 3 distributes no string batch
     # ("Value for attr 'T' of string is not in the list of allowed values").
-    wordy = spec.family in TOKEN_FAMILIES and not spec.jit_compile
+    wordy = spec.family in TOKEN_FAMILIES and not (spec.jit_compile or JAX)
     if wordy and not (mirrored and not LEGACY) and r.random() < 0.25:
         spec = dataclasses.replace(spec, strings=True)
     # Keras revives no class it was not given (the subclassed builds' are made
@@ -420,8 +424,10 @@ def draw(seed: int) -> Spec:
         nested=spec.family in NESTABLE_FAMILIES and r.random() < 0.2,
     )
     # Plain tf_keras builds a model under a strategy in its cross-replica context,
-    # where a layer's metric refuses an update (a `SyncOnReadVariable`'s `assign_add`).
-    monitored = r.random() < 0.2 and not (LEGACY and mirrored)
+    # where a layer's metric refuses an update (a `SyncOnReadVariable`'s `assign_add`);
+    # plain Keras 3 on JAX updates no layer's metric in `fit` ("'NoneType' object is not
+    # callable" in `update_state`: seeds 10, 11, 15 on JAX).
+    monitored = r.random() < 0.2 and not (LEGACY and mirrored) and not JAX
     spec = dataclasses.replace(spec, monitored=monitored)
     # Quantization-aware training: refused with `whole_batch_loss` and under a
     # strategy as pruning is (the same `per_update` state); not a pruned head
@@ -490,11 +496,45 @@ def draw(seed: int) -> Spec:
     # gradients (2 mantissa bits) turns into a step, as float32 does (test_float8.py).
     # Nor with a Dense called twice: plain Keras assigns the sum of the two calls'
     # new scales and histories (its tape adds them), which no fold of micro-batches
-    # reproduces (seeds 132051, 132082, 132113; docs/accumulation.md).
+    # reproduces (seeds 132051, 132082, 132113; docs/accumulation.md). On JAX, not
+    # reloaded: plain Keras 3 on JAX loads no saved float8 `EinsumDense` back ("A total
+    # of 4 objects could not be loaded": seed 12 on JAX).
     options = dict(spec.optimizer_options)
     float8able = not (LEGACY or spec.family == "sparse" or spec.shared or spec.run_eagerly
                       or spec.jit_compile or options.get("use_ema")
-                      or options.get("gradient_accumulation_steps"))
+                      or options.get("gradient_accumulation_steps") or (JAX and spec.reload))
     if float8able and r.random() < 0.15:
         spec = dataclasses.replace(spec, float8=True)
     return spec
+
+
+def jax_refusals(spec: Spec) -> dict:
+    """What of `spec` the JAX `AccumulatingModel` refuses where it meets it (before any
+    update), as `{feature: what its error names}`; empty on the TensorFlow lines.
+
+    A case that draws one may still train (a refusal where the batch is split: every
+    batch one micro-batch); one that raises names a feature of this dict, or fails.
+    """
+    if not JAX:
+        return {}
+    refusals = {}
+    if spec.whole_batch_loss:
+        refusals["whole_batch_loss"] = "`whole_batch_loss`"
+    if spec.remat in ("auto", "auto4096"):
+        refusals['remat="auto"'] = 'remat="auto"'
+    if dict(spec.optimizer_options).get("gradient_accumulation_steps"):
+        refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
+    if spec.add_loss:
+        refusals["add_loss"] = "`model.losses`"
+    # An activity regulariser in a subclassed model or a nested Sequential: not one of
+    # a functional model's own layers.
+    if spec.regularize and (spec.build == "subclassed" or spec.nested):
+        refusals["an activity regulariser off the functional model's own layers"] = (
+            "`model.losses`")
+    if spec.family == "sparse":
+        refusals["a sparse input"] = "sparse input"
+    # A mask that no functional model of the inputs alone computes.
+    masked = spec.masking or (spec.mask_zero and spec.family in TOKEN_FAMILIES)
+    if masked and (spec.build == "subclassed" or spec.nested):
+        refusals["a mask on an output of a subclassed or nested model"] = "mask"
+    return refusals

@@ -14,9 +14,14 @@ from _faults import OutOfMemoryOnce
 from _fuzz_cases import CLASSES, LENGTH, VOCAB, WORDS
 
 from keras_memopt import AccumulatingModel, Remat
-from keras_memopt._keras import keras
+from keras_memopt._keras import BACKEND, keras
 
 layers = keras.layers
+# The cases' own layers in the backend's operations (tf_keras has no `keras.ops`).
+if BACKEND == "jax":
+    _mean, _sum, _square = keras.ops.mean, keras.ops.sum, keras.ops.square
+else:
+    _mean, _sum, _square = tf.reduce_mean, tf.reduce_sum, tf.square
 
 # The penalties' weights, comparable to the data's loss, so that a wrongly weighted
 # penalty shows far above the comparison's tolerance: a float32 share of a penalty
@@ -34,7 +39,7 @@ class MeanPenalty(layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
-        self.add_loss(MEAN_PENALTY * tf.reduce_mean(tf.square(inputs)))
+        self.add_loss(MEAN_PENALTY * _mean(_square(inputs)))
         return inputs
 
 
@@ -51,8 +56,8 @@ class Monitored(layers.Layer):
         self.elements = keras.metrics.Mean(name="activation_elements")
 
     def call(self, inputs):
-        self.mean.update_state(tf.reduce_mean(inputs))
-        self.sum.update_state(tf.reduce_sum(inputs))
+        self.mean.update_state(_mean(inputs))
+        self.sum.update_state(_sum(inputs))
         self.elements.update_state(inputs)
         return inputs
 
@@ -75,7 +80,7 @@ class SumPenalty(layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
-        self.add_loss(SUM_PENALTY * tf.reduce_sum(inputs))
+        self.add_loss(SUM_PENALTY * _sum(inputs))
         return inputs
 
 

@@ -14,19 +14,25 @@ costs more than `MOST_COST`); once every
 coverable target is covered, the `LATER` targets get a seed more where none covers them
 yet, seeds of families not yet in the sample fill it to `SIZE`, and the seeds `KEPT` for
 a bug only they catch join it.
-`--line keras3` or `--line tf_keras` picks for one line only (in this process).
+`--line keras3`, `--line tf_keras` or `--line jax` (Keras 3 on JAX, where it is
+installed; no seed whose case draws what the JAX line refuses) picks for one line only
+(in this process).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import subprocess
 import sys
 
 POOL = range(2000)
+LINES = ("keras3", "tf_keras", "jax")  # jax: Keras 3 on JAX (KERAS_BACKEND=jax)
 SIZE, MOST = 8, 10  # seeds per line: at least SIZE where families are left, at most MOST
+# Keras 3 on JAX: fewer (a case there compiles each micro-batch shape, 5 to 40 s).
+JAX_SIZE, JAX_MOST = 4, 6
 
 # Optimizers whose update of a sparse gradient with repeated rows is the update of their
 # sum (measured on Keras 3: one update with rows [1, 1, 3] against the same rows summed;
@@ -82,6 +88,13 @@ AXES = (strategy, sparse_gradient, nonlinear_optimizer, counted_tokens, clipped,
         averaged_penalty)
 
 
+def line_axes():
+    """`AXES` of the line in use: on JAX, no strategy (none is drawn there)."""
+    from _fuzz_cases import JAX
+
+    return tuple(axis for axis in AXES if not (JAX and axis is strategy))
+
+
 def _micro_batches(spec):
     """Each training batch's micro-batch sizes (per replica), both `fit`s."""
     (setting, value), = spec.split
@@ -127,25 +140,35 @@ LATER = {
 }
 
 
+# Extras the JAX line draws no case of: a strategy, `whole_batch_loss` (refused there).
+NOT_ON_JAX = ("strategy+sparse_gradient+nonlinear_optimizer", "whole_batch_loss")
+
+
+def _line_extras() -> dict:
+    from _fuzz_cases import JAX
+
+    return {name: covers for name, covers in EXTRAS.items() if not (JAX and name in NOT_ON_JAX)}
+
+
 def targets(spec) -> set:
-    """What a case covers: `axis=value` pairs, and `EXTRAS`."""
-    values = {axis.__name__: axis(spec) for axis in AXES}
+    """What a case covers: `axis=value` pairs, and `EXTRAS` (of the line in use)."""
+    values = {axis.__name__: axis(spec) for axis in line_axes()}
     covered = {
         f"{a}={values[a]:d} & {b}={values[b]:d}"
         for a, b in itertools.combinations(values, 2)
     }
-    extras = EXTRAS | LATER
+    extras = _line_extras() | LATER
     return covered | {name for name, covers in extras.items() if covers(spec)}
 
 
 def all_targets() -> list:
-    names = [axis.__name__ for axis in AXES]
+    names = [axis.__name__ for axis in line_axes()]
     pairs = [
         f"{a}={u:d} & {b}={v:d}"
         for a, b in itertools.combinations(names, 2)
         for u, v in itertools.product((False, True), repeat=2)
     ]
-    return pairs + list(EXTRAS) + list(LATER)
+    return pairs + list(_line_extras()) + list(LATER)
 
 
 def cost(spec) -> float:
@@ -163,12 +186,13 @@ def cost(spec) -> float:
 
 # Seeds left out of the pool, per line, with the reason (a case that fails or that plain
 # Keras cannot run belongs in the long sweep's report, not in CI's sample).
-EXCLUDED = {"keras3": {}, "tf_keras": {}}
+EXCLUDED = {"keras3": {}, "tf_keras": {}, "jax": {}}
 # Cases that cost more are left to the long sweep: a gated recurrent tagger under a
 # strategy with recomputed segments (cost 9.4) took 98 s of an idle CI run on tf_keras.
 MOST_COST = 8.0
 # Seeds kept in a line's sample for a bug that `tests/_mutations.py` showed only they catch.
 KEPT = {
+    "jax": {},
     "keras3": {},
     "tf_keras": {1224: "float32_penalty_fraction (a conv1d with regularisers, SGD, "
                        "fractions of 3/5 and 2/5): no other case of the sample shows it"},
@@ -177,22 +201,25 @@ KEPT = {
 
 def choose(line: str):
     """`(seeds, covered, uncoverable)` for the Keras line this process runs."""
-    from _fuzz_cases import FAMILIES, draw
+    from _fuzz_cases import FAMILIES, draw, jax_refusals
 
+    size, most = (JAX_SIZE, JAX_MOST) if line == "jax" else (SIZE, MOST)
     specs = {seed: draw(seed) for seed in POOL if seed not in EXCLUDED[line]}
-    specs = {seed: spec for seed, spec in specs.items() if cost(spec) <= MOST_COST}
+    # On JAX, no case that draws what the JAX line refuses: the sample trains.
+    specs = {seed: spec for seed, spec in specs.items()
+             if cost(spec) <= MOST_COST and not jax_refusals(spec)}
     covers = {seed: targets(spec) for seed, spec in specs.items()}
     wanted = all_targets()
     coverable = set().union(*covers.values()) & set(wanted)
     seeds = []
     for group in (coverable - set(LATER), coverable & set(LATER)):
         left = group - set().union(set(), *(covers[s] for s in seeds))
-        while left and len(seeds) < MOST:
+        while left and len(seeds) < most:
             seed = max(specs, key=lambda s: (len(covers[s] & left), -cost(specs[s]), -s))
             seeds.append(seed)
             left -= covers[seed]
     families = set(FAMILIES) - {specs[s].family for s in seeds}
-    while families and len(seeds) < SIZE:
+    while families and len(seeds) < size:
         seed = min((s for s in specs if specs[s].family in families),
                    key=lambda s: (cost(specs[s]), s))
         seeds.append(seed)
@@ -211,7 +238,7 @@ def report(line: str):
     print(f"{line.upper()}_SEEDS = {seeds}")
     for seed in seeds:
         spec = specs[seed]
-        axes = " ".join(f"{axis.__name__}={axis(spec):d}" for axis in AXES)
+        axes = " ".join(f"{axis.__name__}={axis(spec):d}" for axis in line_axes())
         print(f"  {seed:5d} cost={cost(spec):4.1f} {axes}\n        {spec.describe()}")
     missed = [t for t in wanted if t not in covered and t not in uncoverable]
     print("  not covered (coverable):", missed or "none")
@@ -220,16 +247,19 @@ def report(line: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--line", choices=("keras3", "tf_keras"),
+    parser.add_argument("--line", choices=LINES,
                         help="pick for this Keras line only, in this process")
     args = parser.parse_args(argv)
     if args.line:
         os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.line == "tf_keras" else "0"
+        os.environ["KERAS_BACKEND"] = "jax" if args.line == "jax" else "tensorflow"
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         report(args.line)
         return 0
-    for line in ("keras3", "tf_keras"):  # a process per line: the line is read at import
+    # A process per line: the line is read at import. JAX's where it is installed.
+    lines = [line for line in LINES if line != "jax" or importlib.util.find_spec("jax")]
+    for line in lines:
         subprocess.run([sys.executable, __file__, "--line", line], check=True)
     return 0
 

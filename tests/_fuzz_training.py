@@ -11,7 +11,7 @@ import tensorflow as tf
 from _fuzz_cases import CLASSES, LENGTH, VOCAB, WORDS
 from _fuzz_models import MeanPenalty, Monitored, RaggedMean, SumPenalty, output_names
 
-from keras_memopt._keras import LEGACY, keras
+from keras_memopt._keras import BACKEND, LEGACY, keras
 
 # -- the data ------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ def _usual_loss(head):
 
 def batch_mean(y_true, y_pred):
     """One scalar for the batch's outputs together, which Keras averages over batches."""
-    return tf.reduce_mean(y_pred)
+    return keras.ops.mean(y_pred) if BACKEND == "jax" else tf.reduce_mean(y_pred)
 
 
 def _metrics(head, more, batch_metric=False):

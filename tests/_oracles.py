@@ -15,6 +15,8 @@ which plain Keras's `fit` runs in a symbolic trace that loses the assignment
 `AccumulatingModel` does.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from keras_memopt._keras import LEGACY
@@ -50,5 +52,7 @@ def build_first(model):
     """Builds the compiled `model`'s optimizer now, outside any trace, where its
     `build` assigns more than zeros (Keras 3's `ScheduleFreeAdamW`)."""
     if type(model.optimizer).__name__ == "ScheduleFreeAdamW":
-        with model.distribute_strategy.scope():
+        # (Keras 3 on JAX has no strategy.)
+        strategy = getattr(model, "distribute_strategy", None)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
             model.optimizer.build(model.trainable_variables)

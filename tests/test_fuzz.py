@@ -4,7 +4,10 @@ found failing, by name.
 Each case trains a drawn model as an `AccumulatingModel` and as dense-gradient plain Keras
 at the whole batch, in float64, and compares every variable, `optimizer.iterations`, every
 figure `fit` and `evaluate` logged and the predictions at `_fuzz.RTOL` (1e-9 relative).
-The long sweep: `python tests/_fuzz.py --cases 300` (and with `TF_USE_LEGACY_KERAS=1`).
+The long sweep: `python tests/_fuzz.py --cases 300` (and with `TF_USE_LEGACY_KERAS=1`, or
+`KERAS_BACKEND=jax`). On Keras 3's JAX backend (CI's JAX pass) the oracle is plain Keras on
+JAX, with `jax_enable_x64`; the module runs the JAX sample and the comparison's own check,
+and leaves the TensorFlow lines' found and axis cases to their passes.
 """
 
 import dataclasses
@@ -12,11 +15,17 @@ import dataclasses
 import _fuzz_sample
 import pytest
 import tensorflow as tf
-from _fuzz import RTOL, relative_error, run
+from _fuzz import RTOL, _refusal, relative_error, run
 from _fuzz_cases import Head, Spec, draw
 
-from keras_memopt._keras import LEGACY, keras
+from keras_memopt._keras import BACKEND, LEGACY, keras
 from keras_memopt._step import loop as _loop
+
+JAX = BACKEND == "jax"
+# The TensorFlow lines' regressions and axes (`FOUND`, `AXES`): their cases draw what the
+# JAX line does not have (strategies, tfmot, the fault layer's `tf.py_function`) or refuses;
+# the JAX step's own regressions are tests/test_jax.py's.
+tensorflow_only = pytest.mark.skipif(JAX, reason="the TensorFlow lines' cases")
 
 # The fixed sample CI runs, chosen for what it covers by tests/_fuzz_sample.py (greedily,
 # from seeds 0 to 1999 of each line): every pair of values of the main axes (a strategy, a
@@ -29,7 +38,10 @@ from keras_memopt._step import loop as _loop
 # long sweep runs every seed on both lines.
 KERAS3_SEEDS = [299, 664, 713, 734, 791, 1283, 1915, 1916]
 TF_KERAS_SEEDS = [243, 359, 555, 595, 734, 1224, 1510, 1621, 1805]
-SEEDS = TF_KERAS_SEEDS if LEGACY else KERAS3_SEEDS
+# Keras 3 on JAX (`--line jax`): the same pairs but a strategy's, from the cases that draw
+# nothing the JAX line refuses, at most six.
+JAX_SEEDS = []
+SEEDS = JAX_SEEDS if JAX else (TF_KERAS_SEEDS if LEGACY else KERAS3_SEEDS)
 
 
 def _strategy(spec, request):
@@ -206,6 +218,7 @@ FOUND = {
 KNOWN = {"ignore-class-in-a-dict-of-losses-of-a-subclassed-model"} if LEGACY else set()
 
 
+@tensorflow_only
 @pytest.mark.parametrize("name", sorted(FOUND))
 def test_found_case_matches_plain_keras(name, request):
     if name in KNOWN:
@@ -276,6 +289,7 @@ AXES = {
 }
 
 
+@tensorflow_only
 @pytest.mark.parametrize("name", sorted(AXES))
 def test_axis_case_matches_plain_keras(name):
     if not hasattr(keras.optimizers, AXES[name].optimizer):
@@ -302,7 +316,45 @@ class TestTheComparison:
         def float32_fraction(part, whole):
             return tf.cast(tf.cast(part, tf.float32) / tf.cast(whole, tf.float32), tf.float64)
 
-        monkeypatch.setattr(_loop, "fraction_of", float32_fraction)
+        if JAX:  # the JAX step's weights carry the fraction: rounded to float32 there
+            from keras_memopt._step import jax_fractions
+
+            scaled = jax_fractions._scaled
+
+            def float32_scaled(sample_weight, fraction):
+                import jax.numpy as jnp
+
+                fraction = jnp.asarray(fraction, "float32").astype("float64")
+                return scaled(sample_weight, fraction)
+
+            monkeypatch.setattr(jax_fractions, "_scaled", float32_scaled)
+        else:
+            monkeypatch.setattr(_loop, "fraction_of", float32_fraction)
         result = run(case(samples=23, batch_size=9, split=(("micro_batch_size", 7),)))
         assert not result.passed
         assert 1e-9 < result.worst < 1e-5, result.line()
+
+
+@pytest.mark.skipif(not JAX, reason="the JAX line's refusals")
+class TestRefusalsOnJax:
+    """A case the JAX line refuses counts apart only where the error names a feature the
+    case draws and the model was left as it was; any other error is a failure."""
+
+    ADD_LOSS = NotImplementedError("... other terms of `model.losses` (`add_loss`) ...")
+
+    def test_a_refusal_names_a_feature_the_case_draws(self):
+        assert "add_loss" in _refusal(case(add_loss="mean"), self.ADD_LOSS)
+
+    def test_a_refusal_of_a_feature_the_case_does_not_draw_is_a_failure(self):
+        assert _refusal(case(), self.ADD_LOSS) is None
+        assert _refusal(case(add_loss="mean"), NotImplementedError("something else")) is None
+
+    def test_a_refusal_after_an_update_is_a_failure(self):
+        error = NotImplementedError(str(self.ADD_LOSS))
+        error.untouched = False
+        assert _refusal(case(add_loss="mean"), error) is None
+
+    def test_a_drawn_refusal_is_reported_as_one(self):
+        result = run(case(add_loss="mean", samples=12, batch_size=6))
+        assert result.refused and "add_loss" in result.refused, result.line()
+        assert not result.passed and result.error is None
