@@ -295,7 +295,15 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     # sets for their length) as they found it, however they end.
     def fit(self, *args, **kwargs):
         with _run_settings.kept(self):
-            return super().fit(*args, **kwargs)
+            try:
+                return super().fit(*args, **kwargs)
+            except jax_step.Refused as error:
+                # Keras's JAX `fit` ends, even when it raises, by setting the weights to
+                # the optimizer's moving averages where it keeps them (`use_ema`; zeros
+                # before any update): the refused step's state goes back once more
+                # (where a step function refused it: `jax_step.restored_on_refusal`).
+                getattr(error, "put_back", lambda: None)()
+                raise
 
     def evaluate(self, *args, **kwargs):
         with _run_settings.kept(self):

@@ -533,6 +533,22 @@ class TestRefusals:
         for old, new in zip(before, after, strict=True):
             np.testing.assert_array_equal(new, old)
 
+    def test_refused_with_an_ema_optimizer_before_any_update(self):
+        # The differential fuzzer's seed 17 on JAX: Keras's JAX `fit` ends, even when it
+        # raises, by setting the weights to the optimizer's moving averages (zeros before
+        # any update), which overwrote the weights the refusal had put back.
+        model, data = self._model_with("add_loss")
+        model.compile(optimizer=keras.optimizers.Adam(use_ema=True),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.optimizer.build(model.trainable_variables)
+        before, _ = _weights_and_iterations(model)
+        with pytest.raises(NotImplementedError, match=r"other terms \(`add_loss`"):
+            model.fit(*data, batch_size=4, epochs=1, verbose=0)
+        after, iterations = _weights_and_iterations(model)
+        assert iterations == 0
+        for old, new in zip(before, after, strict=True):
+            np.testing.assert_array_equal(new, old)
+
     def test_what_cannot_be_split_trains_when_the_batch_is_one_micro_batch(self):
         # A masked output's loss and an activity regulariser, refused above where the
         # batch is split, are the whole batch's when it is not.

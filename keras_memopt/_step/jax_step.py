@@ -35,6 +35,7 @@ batch are kept for that (as plain Keras keeps them).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +62,15 @@ def restored_on_refusal(model, step_function):
     """`step_function(state, iterator)` that, when the step is refused while traced,
     puts `state` (the model's, taken from its variables by Keras's `fit`,
     `evaluate` or `predict`) back into the variables before raising: the model
-    and optimizer stay as they were."""
+    and optimizer stay as they were. The error's `put_back()` does it again (after
+    Keras's JAX `fit` changed the weights on its way out: `AccumulatingModel.fit`)."""
 
     def checked(state, iterator):
         try:
             return step_function(state, iterator)
-        except Refused:
-            put_back(model, state)
+        except Refused as error:
+            error.put_back = functools.partial(put_back, model, state)
+            error.put_back()
             raise
 
     return checked
