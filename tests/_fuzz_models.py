@@ -22,6 +22,37 @@ if BACKEND == "jax":
     _mean, _sum, _square = keras.ops.mean, keras.ops.sum, keras.ops.square
 else:
     _mean, _sum, _square = tf.reduce_mean, tf.reduce_sum, tf.square
+TANH = "tanh"
+if BACKEND == "jax":
+    import jax.numpy as jnp
+
+    @keras.saving.register_keras_serializable(package="fuzz")
+    def tanh(x):
+        """tanh in its input's dtype: Keras 3.15's `ops.tanh` on JAX computes float64 in
+        float32 (its result dtype), which a float64 comparison at 1e-9 cannot tell from
+        a float32 cast in the step."""
+        return jnp.tanh(x)
+
+    TANH = tanh
+
+    @keras.saving.register_keras_serializable(package="fuzz")
+    class LayerNormalization64(layers.LayerNormalization):
+        """Keras's LayerNormalization over the last axis, its variance in its input's
+        dtype: Keras 3.15's on JAX takes it from `ops.var`, which computes float64 in
+        float32, and compiled, plain Keras's own predictions then differ with the batch's
+        size by 1.9e-8 (seeds 1105 and 1676 on JAX, 1.2e-7 after the layer)."""
+
+        def call(self, inputs):
+            mean, variance = keras.ops.moments(inputs, axes=[-1], keepdims=True)
+            outputs = (inputs - mean) * keras.ops.rsqrt(variance + self.epsilon)
+            return outputs * self.gamma + self.beta
+
+
+def _layer_normalization():
+    """A LayerNormalization over the last axis (on JAX, `LayerNormalization64`)."""
+    if BACKEND == "jax":
+        return LayerNormalization64()
+    return layers.LayerNormalization()
 
 # The penalties' weights, comparable to the data's loss, so that a wrongly weighted
 # penalty shows far above the comparison's tolerance: a float32 share of a penalty
@@ -106,11 +137,11 @@ def _trunk(spec):
     if spec.masking:
         embedding = layers.Masking(0.0)
     if family == "dense":
-        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.LayerNormalization(),
+        parts = [layers.Dense(8, activation=TANH, **regularizers), _layer_normalization(),
                  layers.Dense(8, activation="relu")]
     elif family == "conv1d":
         parts = [layers.Conv1D(4, 3, activation="relu", **regularizers), layers.MaxPooling1D(2),
-                 layers.Conv1D(6, 2, activation="tanh"), layers.GlobalAveragePooling1D()]
+                 layers.Conv1D(6, 2, activation=TANH), layers.GlobalAveragePooling1D()]
     elif family == "conv2d":
         parts = [layers.Conv2D(4, 3, activation="relu", **regularizers),
                  layers.BatchNormalization(trainable=False), layers.MaxPooling2D(),
@@ -121,18 +152,18 @@ def _trunk(spec):
         parts = [embedding, _recurrent(spec, 6, sequences=False)]
     elif family == "tagger":
         parts = [embedding, _recurrent(spec, 6, sequences=True),
-                 layers.Dense(8, activation="tanh", **regularizers)]
+                 layers.Dense(8, activation=TANH, **regularizers)]
     elif family == "attention":
         parts = [embedding, layers.MultiHeadAttention(num_heads=2, key_dim=4),
-                 layers.LayerNormalization(), layers.GlobalAveragePooling1D()]
+                 _layer_normalization(), layers.GlobalAveragePooling1D()]
     elif family == "sparse":
-        parts = [layers.Dense(8, activation="tanh", **regularizers), layers.Dense(8)]
+        parts = [layers.Dense(8, activation=TANH, **regularizers), layers.Dense(8)]
     elif family == "ragged":
-        parts = [RaggedMean(), layers.Concatenate(), layers.Dense(8, activation="tanh",
+        parts = [RaggedMean(), layers.Concatenate(), layers.Dense(8, activation=TANH,
                                                                   **regularizers)]
     else:  # two_inputs
         parts = [embedding, layers.GlobalAveragePooling1D(), layers.Dense(6, **regularizers),
-                 layers.Concatenate(), layers.Dense(8, activation="tanh")]
+                 layers.Concatenate(), layers.Dense(8, activation=TANH)]
     if spec.add_loss:
         parts.append(MeanPenalty() if spec.add_loss == "mean" else SumPenalty())
     return parts
@@ -256,7 +287,7 @@ def make_layers(spec):
         trunk = [keras.Sequential(inner, name="backbone"), *penalties]
     parts = {"trunk": trunk, "heads": heads}
     if spec.shared:
-        parts["shared"] = [layers.Dense(8, activation="tanh"), layers.Dense(8, activation="tanh")]
+        parts["shared"] = [layers.Dense(8, activation=TANH), layers.Dense(8, activation=TANH)]
     if spec.monitored:
         parts["monitored"] = Monitored(name="monitored")
     if spec.strings:
