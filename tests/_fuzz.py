@@ -53,6 +53,13 @@ The oracle is plain Keras with dense gradients (`_oracles.dense_gradients`):
 Keras 3 applies an Embedding's sparse gradient slice by slice, tf_keras clips
 the unsummed slices; neither is the whole batch's update.
 
+On Keras 3's JAX backend (`KERAS_BACKEND=jax`) the oracle is plain Keras on JAX
+(float64 with `jax_enable_x64`), and the draw leaves out what Keras has not there
+(`_fuzz_cases`). A case that draws what the JAX line refuses
+(`_fuzz_jax.jax_refusals`) trains the AccumulatingModel first and counts as
+REFUSED where it raises an error that names such a feature and left the weights
+and `iterations` as they were; any other error is a failure.
+
 Run as a script for a long sweep (`python tests/_fuzz.py --cases 300`): one
 line per case and a summary (`--traceback` adds what a failing run raised);
 `--seed N` replays one case, `--only FIELD` keeps the seeds whose case draws
@@ -77,7 +84,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _fuzz_cases import Spec, draw, jax_refusals  # noqa: E402
+from _fuzz_cases import Spec, draw  # noqa: E402
+from _fuzz_jax import jax_refusals  # noqa: E402
 from _fuzz_models import arm_fault, build_model, fit_callbacks  # noqa: E402
 from _fuzz_training import compile_kwargs, custom_objects, make_data, make_optimizer  # noqa: E402
 from _oracles import build_first, dense_gradients  # noqa: E402
@@ -188,7 +196,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     return Run(
         initial=initial,
         variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
-        iterations=int(model.optimizer.iterations.numpy()),
+        iterations=int(np.asarray(model.optimizer.iterations)),
         history=history,
         evaluation=dict(evaluation),
         predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
@@ -398,14 +406,24 @@ def run(spec: Spec, strategy=None) -> Result:
         keras.backend.clear_session()  # before the scope: it resets the graph the scope is on
         if spec.mirrored:
             stack.enter_context((strategy or mirrored_strategy()).scope())
+        received = None
+        if jax_refusals(spec):
+            # On JAX, a case that draws what the JAX line refuses trains the
+            # AccumulatingModel first: a refusal needs no oracle (it stops that run).
+            try:
+                received = train(spec, accumulating=True)
+            except Exception as error:  # noqa: BLE001 - a refusal, or run again below
+                if _refusal(spec, error):
+                    return Result(spec, float("inf"), {}, None, time.perf_counter() - started,
+                                  refused=_refusal(spec, error), trace=traceback.format_exc())
         try:
-            expected = train(spec, accumulating=False)
+            expected = train(spec, accumulating=False, initial=received and received.initial)
         except Exception as error:  # noqa: BLE001 - reported: the generator's to mend
             seconds = time.perf_counter() - started
             return Result(spec, float("inf"), {}, None, seconds, invalid=_summary(error),
                           trace=traceback.format_exc())
         try:
-            received = train(spec, accumulating=True, initial=expected.initial)
+            received = received or train(spec, accumulating=True, initial=expected.initial)
         except Exception as error:  # noqa: BLE001 - a case's failure, reported
             seconds, refused = time.perf_counter() - started, _refusal(spec, error)
             return Result(spec, float("inf"), {}, None if refused else _summary(error), seconds,
@@ -420,7 +438,7 @@ def run(spec: Spec, strategy=None) -> Result:
 
 def _refusal(spec, error):
     """What `error` refused, where it names a feature of the case that the JAX line
-    refuses (`_fuzz_cases.jax_refusals`) and left the model untouched; else None."""
+    refuses (`_fuzz_jax.jax_refusals`) and left the model untouched; else None."""
     named = [feature for feature, words in jax_refusals(spec).items() if words in str(error)]
     if not named or not getattr(error, "untouched", True):
         return None

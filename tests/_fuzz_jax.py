@@ -1,0 +1,42 @@
+"""What the JAX line of the differential fuzzer expects the JAX `AccumulatingModel` to refuse.
+
+`_fuzz` counts a case apart (REFUSED) where its AccumulatingModel raises an error that
+names one of `jax_refusals(spec)`'s features before any update; `_fuzz_sample` leaves
+such cases out of CI's JAX sample.
+"""
+
+from __future__ import annotations
+
+from _fuzz_cases import JAX, TOKEN_FAMILIES, Spec
+
+
+def jax_refusals(spec: Spec) -> dict:
+    """What of `spec` the JAX `AccumulatingModel` refuses where it meets it (before any
+    update), as `{feature: what its error names}`; empty on the TensorFlow lines.
+
+    A case that draws one may still train (a refusal where the batch is split: every
+    batch one micro-batch); one that raises names a feature of this dict, or fails.
+    """
+    if not JAX:
+        return {}
+    refusals = {}
+    if spec.whole_batch_loss:
+        refusals["whole_batch_loss"] = "`whole_batch_loss`"
+    if spec.remat in ("auto", "auto4096"):
+        refusals['remat="auto"'] = 'remat="auto"'
+    if dict(spec.optimizer_options).get("gradient_accumulation_steps"):
+        refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
+    if spec.add_loss:
+        refusals["add_loss"] = "`model.losses`"
+    # An activity regulariser in a subclassed model or a nested Sequential: not one of
+    # a functional model's own layers.
+    if spec.regularize and (spec.build == "subclassed" or spec.nested):
+        refusals["an activity regulariser off the functional model's own layers"] = (
+            "`model.losses`")
+    if spec.family == "sparse":
+        refusals["a sparse input"] = "sparse input"
+    # A mask that no functional model of the inputs alone computes.
+    masked = spec.masking or (spec.mask_zero and spec.family in TOKEN_FAMILIES)
+    if masked and (spec.build == "subclassed" or spec.nested):
+        refusals["a mask on an output of a subclassed or nested model"] = "mask"
+    return refusals
