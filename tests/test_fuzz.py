@@ -39,8 +39,9 @@ tensorflow_only = pytest.mark.skipif(JAX, reason="the TensorFlow lines' cases")
 KERAS3_SEEDS = [299, 664, 713, 734, 791, 1283, 1915, 1916]
 TF_KERAS_SEEDS = [243, 359, 555, 595, 734, 1224, 1510, 1621, 1805]
 # Keras 3 on JAX (`--line jax`): the same pairs but a strategy's, from the cases that draw
-# nothing the JAX line refuses, at most six.
-JAX_SEEDS = []
+# nothing the JAX line refuses, at most six, none costlier than a SimpleRNN tagger (which
+# leaves four pairs of a tagger's counted tokens uncovered: `choose`'s uncoverable ones).
+JAX_SEEDS = [67, 158, 758, 886, 1105, 1676]
 SEEDS = JAX_SEEDS if JAX else (TF_KERAS_SEEDS if LEGACY else KERAS3_SEEDS)
 
 
@@ -58,7 +59,9 @@ def test_drawn_case_matches_plain_keras(seed, request):
 
 def test_the_drawn_sample_covers_every_pair_of_the_axes():
     covered = set().union(*(_fuzz_sample.targets(draw(seed)) for seed in SEEDS))
-    missed = [target for target in _fuzz_sample.all_targets() if target not in covered]
+    uncoverable = _fuzz_sample.choose("jax")[2] if JAX else []  # no seed of the pool draws them
+    missed = [target for target in _fuzz_sample.all_targets()
+              if target not in covered and target not in uncoverable]
     assert not missed, f"recompute SEEDS with `python tests/_fuzz_sample.py`; missed: {missed}"
 
 
