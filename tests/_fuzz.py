@@ -137,7 +137,9 @@ class Run:
 def _first_rows(x, count=2):
     def first(a):
         if isinstance(a, tf.SparseTensor):
-            return tf.sparse.slice(a, [0, 0], [count, a.dense_shape[1]])
+            rows = tf.sparse.slice(a, [0, 0], [count, a.dense_shape[1]])
+            # A model on JAX is called on no `tf.SparseTensor`: dense rows build it alike.
+            return tf.sparse.to_dense(rows).numpy() if BACKEND == "jax" else rows
         return a[:count]
 
     return tf.nest.map_structure(first, x)
