@@ -198,7 +198,7 @@ def train(spec, accumulating: bool, initial=None) -> Run:
     return Run(
         initial=initial,
         variables={_name(v, i): np.asarray(v) for i, v in enumerate(model.weights)},
-        iterations=int(np.asarray(model.optimizer.iterations)),
+        iterations=int(_value(model.optimizer.iterations)),
         history=history,
         evaluation=dict(evaluation),
         predictions=[np.asarray(p) for p in tf.nest.flatten(predictions)],
@@ -226,8 +226,16 @@ def _fit(model, **kwargs):
 def _trace_of(model):
     """What an update changes: the model's weights and its optimizer's `iterations`."""
     iterations = getattr(model.optimizer, "iterations", None)
-    counts = [] if iterations is None else [np.asarray(iterations)]
+    counts = [] if iterations is None else [_value(iterations)]
     return [np.array(v) for v in model.weights] + counts
+
+
+def _value(variable):
+    """A variable's value as an array: its `numpy()` where it has one (under a strategy,
+    tf_keras's mirrored count has no array interface), else `np.asarray` (a JAX array,
+    as Keras's `iterations` is with `gradient_accumulation_steps` on JAX)."""
+    read = getattr(variable, "numpy", None)
+    return np.asarray(read() if read is not None else variable)
 
 
 def _reloaded(model, accumulating):

@@ -47,6 +47,19 @@ if BACKEND == "jax":
             outputs = (inputs - mean) * keras.ops.rsqrt(variance + self.epsilon)
             return outputs * self.gamma + self.beta
 
+    @keras.saving.register_keras_serializable(package="fuzz")
+    class MultiHeadAttention64(layers.MultiHeadAttention):
+        """Keras's MultiHeadAttention through its own einsums and softmax: on JAX its fused
+        path (`jax.nn.dot_product_attention`) takes the softmax in float32 whatever the
+        inputs' dtype, and plain Keras's kernels then differed with the batch's size by
+        5e-8 to 1e-7 (seeds 103 and 286 on JAX)."""
+
+        def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                               return_attention_scores=False, use_causal_mask=False):
+            # Asking for the scores is what selects the explicit path; `call` drops them.
+            return super()._compute_attention(query, key, value, attention_mask, training,
+                                              True, use_causal_mask)
+
 
 def _layer_normalization():
     """A LayerNormalization over the last axis (on JAX, `LayerNormalization64`)."""
@@ -157,7 +170,8 @@ def _trunk(spec):
         parts = [embedding, _recurrent(spec, 6, sequences=True),
                  layers.Dense(8, activation=TANH, **regularizers)]
     elif family == "attention":
-        parts = [embedding, layers.MultiHeadAttention(num_heads=2, key_dim=4),
+        attention = MultiHeadAttention64 if BACKEND == "jax" else layers.MultiHeadAttention
+        parts = [embedding, attention(num_heads=2, key_dim=4),
                  _layer_normalization(), layers.GlobalAveragePooling1D()]
     elif family == "sparse":
         parts = [layers.Dense(8, activation=TANH, **regularizers), layers.Dense(8)]
