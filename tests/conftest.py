@@ -100,6 +100,30 @@ def keras_module():
 
 
 @pytest.fixture
+def floatx_float64():
+    """Keras's floatx float64 for the test, and no dtype policy: the JAX test modules'
+    oracle is float64 Keras on JAX, and their memory tests build float32 layers by hand
+    (`JAX_MODULE` applies it)."""
+    from keras_memopt._keras import keras
+
+    before = keras.backend.floatx()
+    keras.backend.set_floatx("float64")
+    yield
+    keras.backend.set_floatx(before)
+
+
+def _jax_module_marks():
+    from keras_memopt._keras import BACKEND
+
+    return [pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend"),
+            pytest.mark.usefixtures("floatx_float64")]
+
+
+# `pytestmark` of a module of tests of the JAX line: skipped on TensorFlow, floatx float64.
+JAX_MODULE = _jax_module_marks()
+
+
+@pytest.fixture
 def float64_keras():
     """Keras's float type float64 for the test (`_fuzz.float64`): for modules whose
     oracle is plain Keras in float64, `pytest.mark.usefixtures("float64_keras")`."""

@@ -12,10 +12,11 @@ import warnings
 import numpy as np
 import pytest
 from _helpers import AddsSquaredSum, load_benchmark
+from conftest import JAX_MODULE
 
 from keras_memopt._keras import BACKEND, keras
 
-pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend")
+pytestmark = JAX_MODULE
 
 if BACKEND == "jax":
     import jax
@@ -26,14 +27,6 @@ if BACKEND == "jax":
 
 TOLERANCE = 1e-9
 SAMPLES, BATCH = 50, 20  # batches of 20, 20 and 10 samples
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    before = keras.backend.floatx()
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx(before)
 
 
 def _data(seed=0, features=8, classes=3):

@@ -10,10 +10,11 @@ import warnings
 import numpy as np
 import pytest
 from _helpers import FLOAT64
+from conftest import JAX_MODULE
 
 from keras_memopt._keras import BACKEND, keras
 
-pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend")
+pytestmark = JAX_MODULE
 
 if BACKEND == "jax":
     import jax
@@ -23,14 +24,6 @@ if BACKEND == "jax":
     from keras_memopt import AccumulatingModel
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-9)
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    before = keras.backend.floatx()
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx(before)
 
 
 def _gradients(model, loss_fn, data, variables, state=None):

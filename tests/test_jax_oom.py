@@ -18,10 +18,11 @@ import textwrap
 import numpy as np
 import pytest
 from _helpers import FLOAT64, IDENTICAL, assert_same_logs
+from conftest import JAX_MODULE
 
 from keras_memopt._keras import BACKEND, keras
 
-pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend")
+pytestmark = JAX_MODULE
 
 if BACKEND == "jax":
     import jax
@@ -59,14 +60,6 @@ if BACKEND == "jax":
 
 SAMPLES, BATCH = 44, 16  # batches of 16, 16 and 12 samples
 NO_LIMIT = 10**6
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    before = keras.backend.floatx()
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx(before)
 
 
 def _data(seed=0):

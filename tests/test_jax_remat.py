@@ -11,10 +11,11 @@ seed generators), which recomputation must advance once, not twice.
 import numpy as np
 import pytest
 from _helpers import AddsSquaredSum, load_benchmark
+from conftest import JAX_MODULE
 
 from keras_memopt._keras import BACKEND, keras
 
-pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="runs on Keras 3's JAX backend")
+pytestmark = JAX_MODULE
 
 if BACKEND == "jax":
     import jax
@@ -25,14 +26,6 @@ if BACKEND == "jax":
 
 TOLERANCE = 1e-9
 SAMPLES, BATCH, MICRO = 50, 20, 6  # batches 20, 20, 10 -> micro-batches 6, 6, 6, 2 and 6, 4
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    before = keras.backend.floatx()
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx(before)
 
 
 def _data(seed=0):
