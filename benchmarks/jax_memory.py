@@ -21,7 +21,9 @@ four ways (micro-batches of 32):
 A second table is recomputation's (`remat=`, `jax.checkpoint`): the TensorFlow
 line's `gelu_stack`, 256 -> 8 x Dense(1024, gelu) -> 10, whose activations
 outweigh its weights, as `AccumulatingModel(micro_batch_size=256)` at a batch
-of 1024, without recomputation and with segments of 1, 2 and 4 hidden layers.
+of 1024, without recomputation, with segments of 1, 2 and 4 hidden layers, and
+with `remat="auto"`'s choice (printed below the table: what it chose, and how
+many candidates it compiled in how long).
 
 It prints Markdown tables in MiB (docs/benchmarks.md keeps them). The
 footprint is what the step holds at once: temporaries + arguments + the
@@ -110,7 +112,9 @@ def main():
     ]
     _print_table(rows)
     print()
-    _print_table(remat_rows(AccumulatingModel))
+    rows, auto = remat_rows(AccumulatingModel)
+    _print_table(rows)
+    print(f"\nremat='auto' chose {auto.remat_choice}")
 
 
 # docs/remat.md's `gelu_stack` (benchmarks/remat.py) on TensorFlow.
@@ -119,7 +123,8 @@ DEEP_MICRO, DEEP_BATCH = 256, 1024
 
 
 def remat_rows(accumulating_model):
-    """The recomputation table's rows: DEEP without and with segments of 1, 2, 4."""
+    """The recomputation table's rows (DEEP without and with segments of 1, 2, 4, and
+    `remat="auto"`'s), and the model `"auto"` chose for."""
     depth = DEEP["depth"]
     rows = [(f"`AccumulatingModel(micro_batch_size={DEEP_MICRO})`, batch {DEEP_BATCH}",
              step_memory(mlp(accumulating_model, micro_batch_size=DEEP_MICRO, **DEEP),
@@ -130,7 +135,9 @@ def remat_rows(accumulating_model):
         per = "hidden layer" if step == 1 else f"{step} hidden layers"
         rows.append((f"the same, `remat=` a segment per {per}",
                      step_memory(model, DEEP_BATCH)))
-    return rows
+    auto = mlp(accumulating_model, micro_batch_size=DEEP_MICRO, remat="auto", **DEEP)
+    rows.append(('the same, `remat="auto"`', step_memory(auto, DEEP_BATCH)))
+    return rows, auto
 
 
 def _print_table(rows):

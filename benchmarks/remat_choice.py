@@ -171,7 +171,7 @@ def _estimate(task, choice):
     import warnings
 
     try:
-        from keras_memopt._remat.choice import PER_BLOCK
+        from keras_memopt._remat.candidates import PER_BLOCK
         from keras_memopt._remat.segments import estimated_candidates
     except ImportError:
         return None

@@ -25,6 +25,7 @@ from keras_memopt._keras.wrapping import wrapped_inputs_outputs  # noqa: E402
 from keras_memopt._oom import run_settings as _run_settings  # noqa: E402
 from keras_memopt._oom.jax_runner import StepFunctions  # noqa: E402
 from keras_memopt._remat import segments as _segments  # noqa: E402
+from keras_memopt._remat.jax_segments import Recomputation  # noqa: E402
 from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
 from keras_memopt._step import jax_step  # noqa: E402
 from keras_memopt._step.jax_custom_steps import JaxCustomSteps  # noqa: E402
@@ -78,7 +79,11 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     `remat=[layer names]` cuts a functional model after each named layer
     and, in training, recomputes every segment but the last in the backward
     pass (`jax.checkpoint`, through `keras_memopt.Remat`): the same weights
-    and figures, less activation memory.
+    and figures, less activation memory. `remat="auto"` chooses the segments
+    among the TensorFlow line's candidates by XLA's memory analysis of the
+    train step compiled with each (at the micro-batch; nothing runs), before
+    the first step of each micro-batch setting; `remat_choice` says what it
+    chose and why.
 
     `keras_memopt.callbacks.OOMBackoff` backs it off on XLA's
     `RESOURCE_EXHAUSTED` (the same batch again at a smaller micro-batch, the
@@ -86,7 +91,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     memory figures; see "On JAX" in docs/oom-backoff.md and docs/memory.md.
 
     Not yet on JAX (refused, naming the feature, before any update):
-    `remat="auto"`, `replica_shares`, `devices`, `device_cuts`,
+    `replica_shares`, `devices`, `device_cuts`,
     `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
     replica, a Keras mask on an output of a subclassed model or made with
     the model's weights (where the batch is split), terms of `model.losses`
@@ -107,9 +112,10 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             batch into (each of `ceil(batch / accumulation_steps)` samples,
             the last one smaller where it does not divide). Give at most one
             of the two; with neither, each batch is one micro-batch.
-        remat: None or a list of the names of the layers of a functional
-            model after which its recomputed segments end (as on the
-            TensorFlow line; `"auto"` not yet on JAX). Defaults to None.
+        remat: None, `"auto"`, or a list of the names of the layers of a
+            functional model after which its recomputed segments end (as on
+            the TensorFlow line; `"auto"` chooses them from the compiled
+            step's memory, see docs/remat.md). Defaults to None.
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
@@ -155,11 +161,11 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         *args,
         micro_batch_size: int | None = None,
         accumulation_steps: int | None = None,
-        remat: list[str] | None = None,
+        remat: str | list[str] | None = None,
         **kwargs,
     ):
         split = _validated_split(micro_batch_size, accumulation_steps)
-        remat = _validated_remat(remat)
+        remat = validate_remat(remat)
         for name, unused in _NOT_ON_JAX.items():
             if kwargs.get(name, unused) != unused:
                 raise NotImplementedError(_not_on_jax(f"`{name}`", f"{name}={kwargs[name]!r}"))
@@ -170,8 +176,9 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             object.__setattr__(self, "__class__", _functional_class(type(self)))
         super().__init__(*args, **kwargs)
         self._split = split
-        self._recomputation = _Recomputation(self, remat)
-        self._steps = StepFunctions(self)  # a plain holder: Keras does not track it
+        self._recomputation = Recomputation(self, remat, Remat)
+        # A plain holder: Keras does not track it.
+        self._steps = StepFunctions(self, before_train=self._before_train_step)
         self.oom_policy = None
 
     @classmethod
@@ -240,27 +247,40 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     # -- recomputation -------------------------------------------------------------
 
     @property
-    def remat(self) -> list[str] | None:
-        """The names of the layers that end the recomputed segments, or None.
+    def remat(self) -> str | list[str] | None:
+        """The recomputed segments: None, "auto" or the cut layers' names.
 
         Setting it plans the segments anew (checked first: a bad value leaves
         them as they were); the next step is traced with them.
         """
         names = self._recomputation.names
-        return None if names is None else list(names)
+        return names if names is None or names == "auto" else list(names)
 
     @remat.setter
     def remat(self, value):
-        value = _validated_remat(value)
+        value = validate_remat(value)
         check_target(value, isinstance(self, _keras.Functional), self)
-        self._recomputation = _Recomputation(self, value)
+        self._recomputation = Recomputation(self, value, Remat)
         self._steps.forget()
         self._retrace()
 
     @property
     def recomputed_segments(self) -> list[list[str]]:
-        """The names of the layers in each segment recomputed in the backward pass."""
+        """The names of the layers in each segment recomputed in the backward pass
+        (with `"auto"`, of its choice for the micro-batch setting of the last train
+        step; none before the first)."""
         return _segments.recomputed_layer_names(self._recomputation.plan)
+
+    @property
+    def remat_choice(self) -> str:
+        """What `remat="auto"` chose and why (the temporaries of the compiled train
+        step with and without recomputation, from XLA's memory analysis), for the
+        micro-batch setting of the last train step; "" otherwise and before it."""
+        return self._recomputation.note
+
+    def _before_train_step(self, state, data):
+        # `remat="auto"` chooses its segments before a setting's first compiled step.
+        self._recomputation.prepare(state, data)
 
     # -- compile and the step ----------------------------------------------------
 
@@ -370,17 +390,6 @@ def _validated_split(micro_batch_size=None, accumulation_steps=None):
     return size, steps
 
 
-def _validated_remat(remat):
-    """The TensorFlow line's checks of `remat` (same errors), less `"auto"`."""
-    remat = validate_remat(remat)
-    if remat == "auto":
-        raise NotImplementedError(
-            _not_on_jax('`remat="auto"` (segments chosen from a TensorFlow trace of the step)',
-                        f"remat={remat!r}")
-        )
-    return remat
-
-
 class _SegmentedCall:
     """The functional form's `call` (a mixin before Keras's functional class;
     a subclassed model keeps its own): in training, with `remat`, the model
@@ -401,28 +410,6 @@ class _SegmentedCall:
 
 def _functional_class(cls):
     return functional_class(cls, _SegmentedCall)
-
-
-class _Recomputation:
-    """A functional model's recomputed segments (`remat=[names]`), or none.
-
-    `stages` is the model's forward pass in training: its segments (functional
-    models over its own layers, cut after each named layer: the TensorFlow
-    line's `SegmentPlan`, which checks the names), each but the last wrapped
-    in `Remat`. A plain holder: Keras does not track the segments.
-    """
-
-    def __init__(self, model, names):
-        self.names = None if names is None else tuple(names)
-        self.plan, self.stages = None, []
-        if names is not None:
-            self.plan, _ = _segments.build_plan(model, list(names))
-            self.stages = [
-                Remat(segment) if recomputed else segment
-                for segment, recomputed in zip(
-                    self.plan.segments, self.plan.recomputed, strict=True
-                )
-            ]
 
 
 def _not_on_jax(feature, received):

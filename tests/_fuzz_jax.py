@@ -22,8 +22,6 @@ def jax_refusals(spec: Spec) -> dict:
     refusals = {}
     if spec.whole_batch_loss:
         refusals["whole_batch_loss"] = "`whole_batch_loss`"
-    if spec.remat in ("auto", "auto4096"):
-        refusals['remat="auto"'] = 'remat="auto"'
     if dict(spec.optimizer_options).get("gradient_accumulation_steps"):
         refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
     if spec.add_loss:

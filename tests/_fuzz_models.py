@@ -446,6 +446,7 @@ def _recomputing(model, spec):
         model.remat = "auto"
     elif spec.remat == "auto4096":
         # Planned at that size (set before `remat`); the case's split set back after.
+        # (On JAX "auto" chooses at each setting's first step, at its own micro-batch.)
         model.accumulation_steps, model.micro_batch_size = None, 4096
         model.remat = "auto"
         model.micro_batch_size = None

@@ -858,7 +858,7 @@ class TestAutoAgainstTheObviousChoices:
         assert measured["auto"] <= 1.05 * lower + 2**20, found
 
     def test_blocks_are_the_longest_run_of_repeated_units_before_the_head(self):
-        from keras_memopt._remat.choice import blocks
+        from keras_memopt._remat.candidates import blocks
 
         block = [("MultiHeadAttention", "Add"), ("LayerNormalization",),
                  ("Dense", "Dense", "Add"), ("LayerNormalization",)]

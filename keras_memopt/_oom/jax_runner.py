@@ -51,10 +51,13 @@ class StepFunctions:
     Args:
         model: the model, read through its public members (`micro_batch_size`,
             `accumulation_steps`, `oom_policy`, its `*_step` methods).
+        before_train: None, or `before_train(state, data)`, called before each
+            train step is compiled or run (where `remat="auto"` chooses its segments).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, before_train=None):
         self.model = model
+        self._before_train = before_train
         self._compiled = {}
         self._shardings = {}
 
@@ -95,6 +98,8 @@ class StepFunctions:
         while True:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
             size = model.micro_batch_size_for(jax_step.batch_size_of(x))
+            if kind == "train" and self._before_train is not None:
+                self._before_train(state, data)
             step = self._step(kind, donate=policy is None)
             started = time.perf_counter()
             try:

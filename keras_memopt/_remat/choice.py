@@ -6,8 +6,8 @@ gradient op by the forward op whose name scope the tape made it in, else by the 
 reads from). Each candidate is played on that graph as it would run, a recomputed segment's forward
 ops again just before its first gradient op, with the micro-batch loop's gradient sum alive all
 along (counted without it, the gradients made late hid what recomputation frees early; issue 55).
-The candidates, the rule that picks one (the constants below) and the measurements behind it:
-docs/remat.md."""
+The candidates and the rule that picks one (`_remat.candidates`, shared with the JAX line) and the
+measurements behind them: docs/remat.md."""
 
 from __future__ import annotations
 
@@ -20,15 +20,8 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._memory.sizes import variables_bytes
 from keras_memopt._remat import liveness as _liveness
+from keras_memopt._remat.candidates import blocks, candidates, pick, unit_signatures
 from keras_memopt._remat.recompute import added_losses
-
-# A candidate within this share of the lowest peak counts as as low.
-_TIE = 0.02
-# Recomputation costs time: it must lower the peak by at least this share.
-_WORTH = 0.05
-# A segment per block is chosen within this share of the lowest peak.
-_BLOCK_TIE = 0.20
-PER_BLOCK = "a segment per block"
 
 
 @dataclasses.dataclass
@@ -73,11 +66,7 @@ class TracedUnits:
         self.parameters = variables_bytes(model.weights)
         self.count = len(units)
         self.adding_loss = adding[0] if adding else None
-        self.signatures = [
-            tuple(type(layer).__name__ for layer in unit.layers
-                  if not isinstance(layer, _keras.keras.layers.InputLayer))
-            for unit in units
-        ]
+        self.signatures = unit_signatures(units)
         # The gradients the step returns: the micro-batch loop folds each
         # into the running sum as soon as it is made.
         self.gradients = {
@@ -228,50 +217,6 @@ def _differentiated(name, forward):
     return None
 
 
-def blocks(signatures):
-    """The cuts after each block in `signatures` (the units' layers' classes;
-    the last unit is the head): a block is what repeats in the longest run of
-    two or more repeats (the shortest such), cut after wherever it occurs
-    (also past a pooling layer between stages); () where nothing repeats."""
-    body = signatures[:-1]
-    block, covered = None, 0
-    for length in range(1, len(body) // 2 + 1):
-        for start in range(len(body) - 2 * length + 1):
-            if len(body) - start <= covered:
-                break  # no longer run can start here
-            candidate = body[start:start + length]
-            repeats = 1
-            while body[start + repeats * length:start + (repeats + 1) * length] == candidate:
-                repeats += 1
-            if repeats >= 2 and repeats * length > covered:
-                block, covered = candidate, repeats * length
-    cuts, index = [], 0
-    while block and index + len(block) <= len(body):
-        if body[index:index + len(block)] == block:
-            cuts.append(index + len(block) - 1)
-            index += len(block)
-        else:
-            index += 1
-    return tuple(cuts)
-
-
-def candidates(count, signatures):
-    """Cut sets a user would try over `count` units (the last is the head),
-    a segment per block of the units' `signatures` among them."""
-    found = {(): "none"}
-    separators = count - 1
-    for k in range(1, separators + 1):
-        from_end = tuple(sorted(range(separators - 1, -1, -k)))
-        from_start = tuple(range(k - 1, separators, k))
-        name = "a segment at every cut point" if k == 1 else f"a segment every {k} cut points"
-        found.setdefault(from_end, name)
-        found.setdefault(from_start, name + " from the first")
-    per_block = blocks(signatures)
-    if per_block:
-        found[per_block] = PER_BLOCK
-    return found
-
-
 def estimates(traced, batch):
     """{cuts: (description, estimated peak in bytes at `batch` samples)} of `candidates`."""
     return {
@@ -285,15 +230,9 @@ def choose(traced, batch):
     estimated = estimates(traced, batch)
     peaks = {cuts: peak for cuts, (_, peak) in estimated.items()}
     names = {cuts: name for cuts, (name, _) in estimated.items()}
-    lowest = min(peaks.values())
-    near = [cuts for cuts, peak in peaks.items() if peak <= lowest * (1 + _TIE)]
-    best = min(near, key=lambda cuts: (traced.recomputed_bytes(cuts), -len(cuts)))
-    per_block = blocks(traced.signatures)
-    if per_block and peaks[per_block] <= lowest * (1 + _BLOCK_TIE):
-        best = per_block
+    best = pick(peaks, lambda cuts: (traced.recomputed_bytes(cuts), -len(cuts)),
+                blocks(traced.signatures), traced.parameters)
     none = peaks[()]
-    if best and none - peaks[best] < _WORTH * (none + traced.parameters):
-        best = ()
     per_unit = tuple(range(traced.count - 1))
     summary = {"none": none, "every cut point": peaks.get(per_unit, none), "chosen": peaks[best]}
     note = _note(names[best], len(best), summary, batch)

@@ -4,12 +4,12 @@ chain of segments (`SegmentPlan`), each recomputed and/or placed on a device."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple
 
 import tensorflow as tf
 
 from keras_memopt import _keras
+from keras_memopt._remat import candidates as _candidates
 from keras_memopt._remat import choice as _remat_choice
 from keras_memopt._remat import graph as _graph
 from keras_memopt._remat.recompute import check_recomputable, on, on_device, recompute
@@ -42,7 +42,7 @@ def plan_segments(model, remat, batch=None) -> Cuts:
             [graph.nodes[i][0] for i in range(cuts[-1] + 1)], f"remat in model {model.name!r}"
         )
         return Cuts(cuts, graph)
-    separators = _candidate_separators(graph)
+    separators = candidate_separators(graph)
     if batch is None:
         size = getattr(model, "micro_batch_size", None)
         batch = size if isinstance(size, int) else _NOMINAL_BATCH
@@ -52,12 +52,7 @@ def plan_segments(model, remat, batch=None) -> Cuts:
             "no set of segments between tensors that separate its graph saves 5% or more "
             "of its estimated step peak" + (f" ({note})" if note else "")
         )
-        warnings.warn(
-            f"remat='auto' found nothing worth recomputing in model {model.name!r}: {why}. "
-            "Training goes on without recomputation; wrap blocks in `keras_memopt.Remat` "
-            "or name cut layers in `remat=[...]`.",
-            stacklevel=3,
-        )
+        _candidates.warn_nothing_chosen(model, why, stacklevel=3)
         return Cuts([], graph, note)
     return _keep_lookup(graph, separators, [separators[i] for i in chosen], note)
 
@@ -78,7 +73,7 @@ def _keep_lookup(graph, separators, cuts, note) -> Cuts:
     return Cuts(sorted({first, *cuts}), graph, note, lookup_kept=True)
 
 
-def _candidate_separators(graph):
+def candidate_separators(graph):
     """The cut points `remat="auto"` considers: up to the first layer no
     recomputation runs again exactly (an activity regulariser, a `SpectralNormalization`)."""
     separators = graph.separators()
@@ -92,7 +87,7 @@ def estimated_candidates(model, batch):
     """[(description, cut layers' names, estimated peak in bytes)] for `remat="auto"`'s
     candidates at `batch` samples, lowest first; `ValueError` where there is no segment."""
     graph = _graph.Graph(model)
-    separators = _candidate_separators(graph)
+    separators = candidate_separators(graph)
     if not separators:
         raise ValueError(
             f"Model {model.name!r} has no tensor that separates its graph: there is no "

@@ -11,7 +11,7 @@ import warnings
 
 from keras_memopt import _keras
 from keras_memopt._io import print_msg
-from keras_memopt._remat import choice as _choice
+from keras_memopt._remat import candidates as _candidates
 from keras_memopt._remat import segments as _segments
 from keras_memopt.memory import format_bytes
 
@@ -47,7 +47,7 @@ def shortlist(candidates, count):
     lowest = candidates[0][2]
     chosen = [candidates[0]]
     chosen += [c for c in candidates if not c[1]]
-    obvious = (_choice.PER_BLOCK, "a segment at every cut point")
+    obvious = (_candidates.PER_BLOCK, _candidates.EVERY_CUT_POINT)
     chosen += [c for c in candidates if c[0] in obvious]
     chosen += [c for c in candidates if c[2] <= lowest * (1 + _CLOSE)]
     unique = []
