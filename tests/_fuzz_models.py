@@ -130,7 +130,7 @@ class SumPenalty(layers.Layer):
 
 def _recurrent(spec, units, sequences):
     # On JAX, its tanh in float64 (`TANH`): in float32, an LSTM's outputs differed with
-    # the batch's shape, and a confident head's cross-entropy metric by 1.1e-8 (seed 131).
+    # the batch's shape (seed 131's metric was another float32: `_fuzz_training._SampleMean64`).
     kwargs = dict(return_sequences=sequences, **({} if TANH == "tanh" else {"activation": TANH}))
     if spec.recurrent == "BidirectionalGRU":
         return layers.Bidirectional(layers.GRU(units, **kwargs))

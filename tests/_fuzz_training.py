@@ -176,6 +176,55 @@ def batch_mean(y_true, y_pred):
     return keras.ops.mean(y_pred) if BACKEND == "jax" else tf.reduce_mean(y_pred)
 
 
+if BACKEND == "jax":
+    import jax.numpy as jnp
+    from keras.src.backend import get_keras_mask
+    from keras.src.losses.loss import apply_mask
+    from keras.src.metrics.reduction_metrics import reduce_to_samplewise_values
+
+    class _SampleMean64:
+        """Keras's `MeanMetricWrapper.update_state` (the mask, the sample weights, each
+        sample's mean over its other axes, the total and the count), each sample's mean
+        in its values' dtype: Keras 3.15's `Mean` takes it with `ops.mean`, which on JAX
+        computes float64 in float32. A tagger's per-token cross-entropy was then summed in
+        float32, in an order that XLA chooses per compiled step (seed 131 on JAX: plain
+        Keras's step added each sample's 8 tokens one after another, the split step's as
+        a vectorised tree; 1.6e-8 apart, plain Keras 1.6e-8 and the split step 3.5e-10
+        from the float64 mean of the same predictions)."""
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            mask = get_keras_mask(y_pred)
+            values = self._fn(y_true, y_pred, **self._fn_kwargs)
+            sample_weight = apply_mask(sample_weight, mask, dtype=self.dtype, reduction="sum")
+            values, sample_weight = reduce_to_samplewise_values(
+                values, sample_weight, reduce_fn=_mean64, dtype=self.dtype
+            )
+            self.total.assign_add(jnp.sum(values))
+            count = values.shape[0] if values.ndim else 1
+            if sample_weight is not None:
+                count = jnp.sum(sample_weight)
+            self.count.assign_add(jnp.asarray(count, self.dtype))
+
+    def _mean64(x, axis):
+        return jnp.mean(x, axis=tuple(axis))
+
+    @keras.saving.register_keras_serializable(package="fuzz")
+    class SparseCategoricalCrossentropy64(
+        _SampleMean64, keras.metrics.SparseCategoricalCrossentropy
+    ):
+        """Keras's metric, each sample's mean in float64 (`_SampleMean64`)."""
+
+    @keras.saving.register_keras_serializable(package="fuzz")
+    class CategoricalCrossentropy64(_SampleMean64, keras.metrics.CategoricalCrossentropy):
+        """Keras's metric, each sample's mean in float64 (`_SampleMean64`)."""
+
+    _CROSSENTROPY = {"sparse": SparseCategoricalCrossentropy64,
+                     "categorical": CategoricalCrossentropy64}
+else:
+    _CROSSENTROPY = {"sparse": keras.metrics.SparseCategoricalCrossentropy,
+                     "categorical": keras.metrics.CategoricalCrossentropy}
+
+
 def _metrics(head, more, batch_metric=False):
     if batch_metric:
         return [*_metrics(head, more), batch_mean]
@@ -184,12 +233,8 @@ def _metrics(head, more, batch_metric=False):
     if not more:
         return [first]
     # (Keras 3's top-k accuracies raise in float64: `InTopKV2` takes float32 only.)
-    if head.kind == "sparse":
-        return [first, keras.metrics.SparseCategoricalCrossentropy(
-            from_logits=head.from_logits, name="crossentropy")]
-    if head.kind == "categorical":
-        return [first, keras.metrics.CategoricalCrossentropy(
-            from_logits=head.from_logits, name="crossentropy")]
+    if head.kind in _CROSSENTROPY:
+        return [first, _CROSSENTROPY[head.kind](from_logits=head.from_logits, name="crossentropy")]
     if head.kind == "binary":
         return [first, keras.metrics.AUC(
             num_thresholds=20, from_logits=head.from_logits, name="auc")]
