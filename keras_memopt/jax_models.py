@@ -27,7 +27,7 @@ from keras_memopt._oom.jax_runner import StepFunctions  # noqa: E402
 from keras_memopt._remat import segments as _segments  # noqa: E402
 from keras_memopt._remat.jax_segments import Recomputation  # noqa: E402
 from keras_memopt._serialization import class_to_build, functional_class  # noqa: E402
-from keras_memopt._step import jax_step  # noqa: E402
+from keras_memopt._step import jax_step, jax_whole_batch  # noqa: E402
 from keras_memopt._step.jax_custom_steps import JaxCustomSteps  # noqa: E402
 from keras_memopt._step.losses import check_reduction  # noqa: E402
 from keras_memopt.remat import Remat, check_target, validate_remat  # noqa: E402
@@ -44,7 +44,6 @@ _NOT_ON_JAX = {
     "replica_shares": None,
     "devices": None,
     "device_cuts": None,
-    "whole_batch_loss": False,
 }
 
 
@@ -85,6 +84,14 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     the first step of each micro-batch setting; `remat_choice` says what it
     chose and why.
 
+    `whole_batch_loss=True` evaluates the loss once on the whole batch's
+    outputs, for losses that couple the samples (a contrastive loss whose
+    negatives are the batch's other rows, a Dice loss over the batch):
+    every micro-batch forward, the loss and its gradient with respect to the
+    outputs, then every micro-batch forward again back-propagating its rows
+    of that gradient, from the random state its first pass started from
+    (`keras_memopt._step.jax_whole_batch`; docs/whole-batch-loss.md).
+
     `keras_memopt.callbacks.OOMBackoff` backs it off on XLA's
     `RESOURCE_EXHAUSTED` (the same batch again at a smaller micro-batch, the
     state untouched by the failed attempt), and `MemoryLogger` reads JAX's
@@ -92,7 +99,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
 
     Not yet on JAX (refused, naming the feature, before any update):
     `replica_shares`, `devices`, `device_cuts`,
-    `whole_batch_loss=True`, `micro_batch_size="auto"` or one size per
+    `micro_batch_size="auto"` or one size per
     replica, a Keras mask on an output of a subclassed model or made with
     the model's weights (where the batch is split), terms of `model.losses`
     other than weight regularisers and Keras's L1, L2 and L1L2 activity
@@ -101,7 +108,8 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     `DataParallel` (`ModelParallel`), an optimizer with its own
     `gradient_accumulation_steps`, `accumulate_gradients`'s `forward`
     and loss-scale optimizers (the first step's check of a custom `loss_fn`
-    does not run on JAX), and a sparse input (where the batch is split).
+    does not run on JAX), a sparse input (where the batch is split), and a
+    `SpectralNormalization` with `whole_batch_loss=True`.
 
     Args:
         micro_batch_size: int, the number of samples in each micro-batch
@@ -116,6 +124,9 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             functional model after which its recomputed segments end (as on
             the TensorFlow line; `"auto"` chooses them from the compiled
             step's memory, see docs/remat.md). Defaults to None.
+        whole_batch_loss: bool. `True` evaluates the loss and the compiled
+            metrics once, on the whole batch's outputs (see above). Defaults
+            to False.
         *args, **kwargs: passed on to `keras.Model` (`inputs`, `outputs`,
             `name`, ...).
 
@@ -146,7 +157,8 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         ValueError: if both `micro_batch_size` and `accumulation_steps` are
             given, or one is not a positive integer; for `remat`, as on the
             TensorFlow line (a name that is not a layer of the model, a layer
-            whose output does not separate its graph, a subclassed model).
+            whose output does not separate its graph, a subclassed model);
+            if `whole_batch_loss` is not True or False.
         NotImplementedError: for an argument or feature not supported on JAX
             yet (see above).
     """
@@ -162,10 +174,12 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         micro_batch_size: int | None = None,
         accumulation_steps: int | None = None,
         remat: str | list[str] | None = None,
+        whole_batch_loss: bool = False,
         **kwargs,
     ):
         split = _validated_split(micro_batch_size, accumulation_steps)
         remat = validate_remat(remat)
+        whole_batch_loss = _validation.whole_batch_loss(whole_batch_loss)
         for name, unused in _NOT_ON_JAX.items():
             if kwargs.get(name, unused) != unused:
                 raise NotImplementedError(_not_on_jax(f"`{name}`", f"{name}={kwargs[name]!r}"))
@@ -176,6 +190,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             object.__setattr__(self, "__class__", _functional_class(type(self)))
         super().__init__(*args, **kwargs)
         self._split = split
+        self._whole_batch_loss = whole_batch_loss
         self._recomputation = Recomputation(self, remat, Remat)
         # A plain holder: Keras does not track it.
         self._steps = StepFunctions(self, before_train=self._before_train_step)
@@ -244,6 +259,24 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             return min(size, batch_size)
         return max(1, -(-batch_size // (steps or 1)))
 
+    @property
+    def whole_batch_loss(self) -> bool:
+        """Whether the loss is evaluated once on the whole batch's outputs.
+
+        Settable between fits, like `micro_batch_size` (checked first: a bad
+        value leaves it as it was); the steps are compiled anew."""
+        return self._whole_batch_loss
+
+    @whole_batch_loss.setter
+    def whole_batch_loss(self, value):
+        value = _validation.whole_batch_loss(value)
+        if value != self._whole_batch_loss:
+            if getattr(self, "_compile_loss", None) is not None:
+                check_reduction(self.loss, whole_batch_loss=value)
+            self._whole_batch_loss = value
+            self._steps.forget()
+            self._retrace()
+
     # -- recomputation -------------------------------------------------------------
 
     @property
@@ -287,7 +320,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     def compile(self, *args, **kwargs):
         optimizer = kwargs.get("optimizer", args[0] if args else "rmsprop")
         loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
-        check_reduction(loss, whole_batch_loss=False)
+        check_reduction(loss, whole_batch_loss=self.whole_batch_loss)
         _refuse_unsupported(self, optimizer, loss)
         super().compile(*args, **kwargs)
         self._steps.forget()
@@ -338,12 +371,14 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         self._splits_in_step = True  # a custom step calling this one splits its batch
         if not jax_step.splits(self.micro_batch_size_for, data):
             return super().train_step(state, data)
-        return jax_step.train_step(self, self.micro_batch_size_for, state, data)
+        steps = jax_whole_batch if self.whole_batch_loss else jax_step
+        return steps.train_step(self, self.micro_batch_size_for, state, data)
 
     def test_step(self, state, data):
         if not jax_step.splits(self.micro_batch_size_for, data):
             return super().test_step(state, data)
-        return jax_step.test_step(self, self.micro_batch_size_for, state, data)
+        steps = jax_whole_batch if self.whole_batch_loss else jax_step
+        return steps.test_step(self, self.micro_batch_size_for, state, data)
 
     def predict_step(self, state, data):
         if not jax_step.splits(self.micro_batch_size_for, data):
@@ -353,7 +388,8 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     def get_config(self):
         config = super().get_config()
         return {**config, "micro_batch_size": self.micro_batch_size,
-                "accumulation_steps": self.accumulation_steps, "remat": self.remat}
+                "accumulation_steps": self.accumulation_steps, "remat": self.remat,
+                "whole_batch_loss": self.whole_batch_loss}
 
     def compile_from_config(self, config):
         # Keras skips an overridden `compile` when loading; this one only adds
@@ -367,8 +403,10 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
         config = dict(config)
         split = {name: config.pop(name, None) for name in _SETTING}
         remat = config.pop("remat", None)
+        whole_batch_loss = config.pop("whole_batch_loss", False)
         model = super().from_config(config, custom_objects=custom_objects)
         model._split = _validated_split(**split)
+        model.whole_batch_loss = whole_batch_loss
         if remat is not None:
             model.remat = remat
         return model

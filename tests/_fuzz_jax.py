@@ -20,8 +20,6 @@ def jax_refusals(spec: Spec) -> dict:
     if not JAX:
         return {}
     refusals = {}
-    if spec.whole_batch_loss:
-        refusals["whole_batch_loss"] = "`whole_batch_loss`"
     if dict(spec.optimizer_options).get("gradient_accumulation_steps"):
         refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
     if spec.add_loss:

@@ -140,8 +140,8 @@ LATER = {
 }
 
 
-# Extras the JAX line draws no case of: a strategy, `whole_batch_loss` (refused there).
-NOT_ON_JAX = ("strategy+sparse_gradient+nonlinear_optimizer", "whole_batch_loss")
+# Extras the JAX line draws no case of: a strategy.
+NOT_ON_JAX = ("strategy+sparse_gradient+nonlinear_optimizer",)
 
 
 def _line_extras() -> dict:

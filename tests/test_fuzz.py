@@ -41,7 +41,7 @@ TF_KERAS_SEEDS = [243, 359, 555, 595, 734, 1224, 1510, 1621, 1805]
 # Keras 3 on JAX (`--line jax`): the same pairs but a strategy's, from the cases that draw
 # nothing the JAX line refuses, at most six, none costlier than a SimpleRNN tagger (which
 # leaves four pairs of a tagger's counted tokens uncovered: `choose`'s uncoverable ones).
-JAX_SEEDS = [67, 158, 758, 886, 1105, 1676]
+JAX_SEEDS = [158, 714, 758, 886, 1105, 1676]
 SEEDS = JAX_SEEDS if JAX else (TF_KERAS_SEEDS if LEGACY else KERAS3_SEEDS)
 
 
