@@ -464,7 +464,7 @@ class TestRefusals:
         assert (model.micro_batch_size, model.accumulation_steps) == (4, None)
 
     @pytest.mark.parametrize("argument", [
-        {"remat": "auto"}, {"devices": ["/cpu:0"]},
+        {"devices": ["/cpu:0"]},
         {"device_cuts": "auto"}, {"replica_shares": [1, 1]}, {"micro_batch_size": "auto"},
         {"micro_batch_size": [2, 2]},
     ])
