@@ -4,11 +4,13 @@
 `remat="auto"` takes the TensorFlow line's cut points (`_remat.segments.candidate_separators`) and
 candidates (`_remat.candidates`), and measures each the JAX way: the model's train step, with that
 candidate's segments, is lowered and compiled for abstract arrays (`jax.ShapeDtypeStruct`) at the
-step's micro-batch, so nothing runs, and `memory_analysis()` gives its temporaries. `pick` chooses
-by the TensorFlow line's rule, what a candidate recomputes counted as its units recomputed. The
-choice is made once per micro-batch setting, before that setting's first compiled step, when the
-step's state and batch are known; a new setting (`OOMBackoff`, a new `micro_batch_size`) chooses
-anew, and going back to one reuses its choice. docs/remat.md ("On JAX") has the figures.
+step's micro-batch (under `keras.distribution.DataParallel`, each device's times the device count,
+on the state's and the batch's own shardings), so nothing runs, and `memory_analysis()` gives its
+temporaries. `pick` chooses by the TensorFlow line's rule, what a candidate recomputes counted as
+its units recomputed. The choice is made once per micro-batch setting, before that setting's first
+compiled step, when the step's state and batch are known; a new setting (`OOMBackoff`, a new
+`micro_batch_size`) chooses anew, and going back to one reuses its choice. docs/remat.md ("On
+JAX") has the figures.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class Recomputation:
         best = _candidates.pick(temporaries, lambda cuts: (max(cuts, default=-1), -len(cuts)),
                                 per_block, variables_bytes(model.weights))
         every = tuple(range(len(units) - 1))
-        note = _note(found[best], temporaries, best, every, split.m, seconds)
+        shares = f" ({split.m} on each of {split.devices} devices)" if split.devices > 1 else ""
+        note = _note(found[best], temporaries, best, every, f"{micro}{shares}", seconds)
         if not best:
             _candidates.warn_nothing_chosen(model, (
                 "no set of segments between tensors that separate its graph saves 5% or more "
