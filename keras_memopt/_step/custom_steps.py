@@ -17,7 +17,8 @@ from keras_memopt import _dtypes, _keras
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import rollback as _rollback
 from keras_memopt._step import whole_batch as _whole_batch
-from keras_memopt._step.probe import Seen, pairs, repeat, sample, tolerance
+from keras_memopt._step.probe import pairs, repeat, sample, tolerance
+from keras_memopt._step.seen import Seen
 
 _WARNED_CUSTOM_STEPS: set[type] = set()
 _CHECKED_CUSTOM_LOSSES: set[type] = set()

@@ -22,8 +22,7 @@ import tensorflow as tf
 from keras_memopt import _dtypes, _keras
 from keras_memopt._keras import losses as _keras_losses
 from keras_memopt._step import loop as _loop
-
-MEAN, SUM = "mean", "sum"
+from keras_memopt._step.seen import SUM
 
 
 @dataclasses.dataclass(frozen=True)

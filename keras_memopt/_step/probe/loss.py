@@ -18,18 +18,10 @@ from keras_memopt._step import batch_dependence as _batch_dependence
 from keras_memopt._step import loop as _loop
 from keras_memopt._step import losses as _losses
 from keras_memopt._step import rollback as _rollback
-from keras_memopt._step.losses import MEAN, SUM, LossForm, overrides
-from keras_memopt._step.probe import (
-    NAN,
-    NEGLIGIBLE,
-    Seen,
-    in_replica,
-    pairs,
-    repeat,
-    sample,
-    tolerance,
-)
+from keras_memopt._step.losses import LossForm, overrides
+from keras_memopt._step.probe import in_replica, pairs, repeat, sample, tolerance
 from keras_memopt._step.probe import metrics as _metrics
+from keras_memopt._step.seen import NAN, Seen, seen_terms, silent_terms, term_kind
 
 
 def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
@@ -78,7 +70,7 @@ def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
         changed = whole.not_a_mean() or (None if one.adds_up() else one.split(alone=True))
         if changed is not None:
             raise ValueError(_coupled_message(model, changed))
-    kinds = tuple(_term_kind(index, *term) for index, term in enumerate(terms))
+    kinds = tuple(term_kind(index, *term) for index, term in enumerate(terms))
     return dataclasses.replace(form, terms=kinds, masked=masked, metrics=metrics)
 
 
@@ -109,7 +101,7 @@ def _loss_and_terms(model, split, form, data, whole_batch_loss):
     loss = terms = masked = None
     for pair in pairs(data):
         told = whole_batch_loss or (loss is not None and _tells(loss[0]))
-        silent = [i for i, term in enumerate(terms or ()) if _tells_nothing(*term)]
+        silent = silent_terms(terms)
         if told and terms is not None and not silent:
             break
         once = evaluate(pair, with_loss=not told)
@@ -118,52 +110,13 @@ def _loss_and_terms(model, split, form, data, whole_batch_loss):
             loss = once["loss"], once["one"]
         if terms is None or silent:
             again, twice = evaluate(pair, False), evaluate(repeat(pair), False)
-            found = [
-                tuple(Seen(o[k], t[k], a[k]) for k in range(2))
-                for o, a, t in zip(once["terms"], again["terms"], twice["terms"], strict=True)
-            ]
-            terms = found if terms is None else [
-                found[i] if i in silent else term for i, term in enumerate(terms)
-            ]
+            terms = seen_terms(terms, once["terms"], again["terms"], twice["terms"])
     return loss, terms, masked
 
 
 def _tells(loss) -> bool:
     """Whether the loss tells whether it is a mean (not zero on the samples, or none)."""
     return not loss.negligible or np.isnan(loss.once)
-
-
-def _tells_nothing(value, norm) -> bool:
-    return value.negligible and max(norm.once, norm.twice) == 0
-
-
-def _term_kind(index, value, norm):
-    """MEAN or SUM for one term of `model.losses`; raises where it is neither. Its value decides;
-    where the value is negligible, its gradient's norm, which keeps its size when the term averages
-    over samples and doubles when it sums over them (or, where that cannot tell, the value if not
-    zero and the norm leans its way); a term negligible with no gradient counts as a mean."""
-    kind = by_value = value.kind()
-    if value.negligible:
-        kind = MEAN if _tells_nothing(value, norm) else norm.kind()
-        if kind is None and min(abs(value.once), norm.once) > 0:
-            # Quantized (float8), the norm can move (x0.95) where the value, small but
-            # not zero, stays to the last bit: the value decides where the norm leans its way.
-            ratio = norm.twice / norm.once
-            nearer = MEAN if abs(ratio - 1) < abs(ratio - 2) else SUM
-            kind = by_value if by_value == nearer else None
-    if kind is None:
-        change = value.changed()
-        if value.negligible:
-            change = (f"went from {value.once:.6g} to {value.twice:.6g} (below "
-                      f"{NEGLIGIBLE:g}) and its gradient norm {norm.changed()}")
-        raise ValueError(
-            "AccumulatingModel cannot split a loss term over micro-batches "
-            f"exactly: term {index} of `model.losses` {change}, neither the "
-            "same (a mean over samples) nor twice as large (a sum). Add it "
-            "as separate terms, one that sums over samples and one that "
-            f"does not. Received: model.losses[{index}]"
-        )
-    return kind
 
 
 def _evaluator(model, split, form):

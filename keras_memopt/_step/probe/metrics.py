@@ -10,7 +10,8 @@ import tensorflow as tf
 from keras_memopt import _keras
 from keras_memopt._step import loop as _loop
 from keras_memopt._step.layer_metrics import ELEMENTS, IDLE, MEAN, SUM, layer_means
-from keras_memopt._step.probe import NEGLIGIBLE, close, in_replica, tolerance
+from keras_memopt._step.probe import in_replica, tolerance
+from keras_memopt._step.seen import NEGLIGIBLE, close
 
 # -- the compiled metrics --------------------------------------------------------------
 
