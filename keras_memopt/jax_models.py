@@ -97,13 +97,21 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     state untouched by the failed attempt), and `MemoryLogger` reads JAX's
     memory figures; see "On JAX" in docs/oom-backoff.md and docs/memory.md.
 
+    The terms of `model.losses` (`add_loss`, activity and weight
+    regularisers, in any model) count as on the TensorFlow line: before the
+    first step that splits a batch, each is evaluated on two samples and on
+    them repeated; one that sums over the samples counts as it is in each
+    micro-batch, any other with the micro-batch's fraction of the batch, and
+    one that does neither is refused with a `ValueError` naming it.
+
     Not yet on JAX (refused, naming the feature, before any update):
     `replica_shares`, `devices`, `device_cuts`,
     `micro_batch_size="auto"` or one size per
     replica, a Keras mask on an output of a subclassed model or made with
-    the model's weights (where the batch is split), terms of `model.losses`
-    other than weight regularisers and Keras's L1, L2 and L1L2 activity
-    regularisers on a functional model's layers (`add_loss`; also where it is
+    the model's weights (where the batch is split), a term of `model.losses`
+    added only in training, terms other than weight regularisers and Keras's
+    L1, L2 and L1L2 activity regularisers on a functional model's layers in
+    a custom `train_step` around the model's own (both where the batch is
     split), an overridden `compute_loss`, a `keras.distribution` other than
     `DataParallel` (`ModelParallel`), an optimizer with its own
     `gradient_accumulation_steps`, `accumulate_gradients`'s `forward`
@@ -158,7 +166,9 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
             given, or one is not a positive integer; for `remat`, as on the
             TensorFlow line (a name that is not a layer of the model, a layer
             whose output does not separate its graph, a subclassed model);
-            if `whole_batch_loss` is not True or False.
+            if `whole_batch_loss` is not True or False; at the first step that
+            splits a batch, before any update, for a term of `model.losses`
+            that neither averages nor sums over the samples.
         NotImplementedError: for an argument or feature not supported on JAX
             yet (see above).
     """
@@ -341,7 +351,13 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     def _make_function(self, kind, force):
         name = f"{kind}_function"
         if getattr(self, name) is None or force:
-            setattr(self, name, jax_step.restored_on_refusal(self, self._steps.function(kind)))
+            # The model's own train and test steps split the terms of `model.losses`
+            # as the first step finds them (`jax_terms`); a custom one's are not probed.
+            own = kind != "predict" and (
+                getattr(type(self), f"{kind}_step") is getattr(AccumulatingModel, f"{kind}_step")
+            )
+            function = self._steps.function(kind, finds_terms=own)
+            setattr(self, name, jax_step.restored_on_refusal(self, function))
         return getattr(self, name)
 
     # `fit`, `evaluate` and `predict` leave `oom_policy` (which `OOMBackoff`

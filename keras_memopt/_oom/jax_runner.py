@@ -41,7 +41,7 @@ from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._memory.sizes import variables_bytes
 from keras_memopt._oom import errors as _oom_errors
-from keras_memopt._step import jax_step
+from keras_memopt._step import jax_step, jax_terms
 from keras_memopt._step.jax_custom_steps import warned_when_whole
 
 
@@ -65,9 +65,12 @@ class StepFunctions:
         """Drops every compiled step: what a step traces has changed (`compile`, `remat`)."""
         self._compiled.clear()
         self._shardings.clear()
+        jax_terms.forget(self.model)
 
-    def function(self, kind):
-        """`model.<kind>_function(state, iterator)`: up to `steps_per_execution` steps."""
+    def function(self, kind, finds_terms=False):
+        """`model.<kind>_function(state, iterator)`: up to `steps_per_execution` steps;
+        where `finds_terms` (the model's own train or test step), the first that splits
+        its batch first finds how the terms of `model.losses` split (`jax_terms.find`)."""
         if kind not in self._shardings and keras.distribution.distribution() is not None:
             # Read, as Keras reads them, while the variables hold their values
             # (`fit` takes them out before its first step, and a backoff makes
@@ -83,7 +86,7 @@ class StepFunctions:
                     if index == 0:
                         raise
                     break
-                output, state = self.run(kind, state, data)
+                output, state = self.run(kind, state, data, finds_terms)
                 outputs.append(output)
             if kind == "predict" and len(outputs) > 1:  # every step's, in order
                 return keras.tree.map_structure(lambda *t: jnp.concatenate(t), *outputs), state
@@ -91,7 +94,7 @@ class StepFunctions:
 
         return step_function
 
-    def run(self, kind, state, data):
+    def run(self, kind, state, data, finds_terms=False):
         """`(outputs, state)` of one step on `data`, retried on out-of-memory by the policy."""
         model = self.model
         policy = model.oom_policy
@@ -100,6 +103,8 @@ class StepFunctions:
             size = model.micro_batch_size_for(jax_step.batch_size_of(x))
             if kind == "train" and self._before_train is not None:
                 self._before_train(state, data)
+            if finds_terms and jax_step.splits(model.micro_batch_size_for, data):
+                jax_terms.find(model, state, data)  # at the setting a backoff set, too
             step = self._step(kind, donate=policy is None)
             started = time.perf_counter()
             try:

@@ -209,3 +209,14 @@ def _scaled(sample_weight, fraction):
     if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype.itemsize > dtype.itemsize:
         dtype = weight.dtype
     return weight.astype(dtype) * jnp.asarray(fraction, dtype)
+
+
+def batch_size_of(data) -> int:
+    """The static number of samples in a nest of batched arrays."""
+    for leaf in tree.flatten(data):
+        if leaf is not None and getattr(leaf, "shape", None):
+            return int(leaf.shape[0])
+    raise ValueError(
+        "AccumulatingModel splits each batch along its first axis, but the batch "
+        f"holds no array. Received: data={data!r}"
+    )

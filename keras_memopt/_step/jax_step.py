@@ -17,10 +17,10 @@ split the same way, without gradients.
 Each micro-batch's fraction of the batch's loss (`keras_memopt._step.jax_fractions`)
 reaches Keras's own loss container as sample weights (the user's, times the
 fraction), so `loss_weights`, class and sample weights, masks and ignored
-classes stay Keras's. The terms of `model.losses` that this step takes
-(weight regularisers, Keras's activity regularisers) are means over the
-samples or do not depend on them: each micro-batch adds `n_i / N` of them
-(`refuse_sample_dependent_terms`).
+classes stay Keras's. Each term of `model.losses` of a micro-batch's call
+counts as it is where it sums over the samples, `n_i / N` of itself
+otherwise (`keras_memopt._step.jax_terms`, which finds which before the
+first step).
 
 What the loop changes besides the gradient: layers' non-trainable state
 (BatchNormalization's moving statistics, seed generators) is carried from
@@ -44,9 +44,9 @@ from jax.experimental import sparse as jax_sparse
 from keras_memopt import _keras
 from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
+from keras_memopt._step import jax_terms, per_update
 from keras_memopt._step import loop as _loop
-from keras_memopt._step import per_update
-from keras_memopt._step.jax_fractions import Counter, Refused, output_weights
+from keras_memopt._step.jax_fractions import Counter, Refused, batch_size_of, output_weights
 
 tree = keras.tree
 
@@ -259,9 +259,8 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     y_pred, non_trainable, losses = model.stateless_call(
         trainable, non_trainable, x, return_losses=True, **kwargs
     )
-    refuse_sample_dependent_terms(model, losses)
     weights = output_weights(y_pred, sample_weight, fractions)
-    terms = [term * fractions.samples for term in losses]
+    terms = jax_terms.weighted(model, losses, fractions.samples)
     with _jax.losses_replaced(model, terms) if terms else contextlib.nullcontext():
         loss, (_, non_trainable, metrics_after) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_variables,
@@ -274,59 +273,6 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
         with keras.StatelessScope(state_mapping=mapping):
             loss = model.optimizer.scale_loss(loss)
     return loss, (unscaled, y_pred, non_trainable, trackers)
-
-
-def refuse_sample_dependent_terms(model, losses):
-    """Refuses terms of `model.losses` it cannot tell apart: those of `add_loss`
-    (whether each averages or sums over the samples is not yet found on JAX;
-    the TensorFlow line finds it at the first step).
-
-    It takes weight regularisers (the same for every micro-batch) and the
-    activity regularisers of Keras's `L1`, `L2` and `L1L2` on the layers of a
-    functional model, each called once: a sum over the samples that Keras
-    divides by the batch's size, a mean. Both then count `n_i / N` per
-    micro-batch. What it takes is counted, and any other term refuses the step.
-    """
-    regularised = sum(1 for v in model.trainable_weights if v.regularizer is not None)
-    activity = _activity_terms(model)
-    if len(losses) == regularised + (activity or 0):
-        return
-    raise Refused(
-        "AccumulatingModel on JAX splits the terms of `model.losses` only where they "
-        "are weight regularisers or Keras's L1, L2 and L1L2 activity regularisers on "
-        "the layers of a functional model, each called once; other terms (`add_loss`, "
-        "other activity regularisers) are not supported on JAX yet. Use the TensorFlow "
-        f"backend for them. Received: {len(losses) - regularised - (activity or 0)} "
-        "such term(s)"
-    )
-
-
-def _activity_terms(model) -> int | None:
-    """The terms the activity regularisers that `refuse_sample_dependent_terms`
-    takes add in one call of `model` (None: one it does not take)."""
-    kinds = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
-    direct = {id(layer) for layer in getattr(model, "layers", [])}
-    terms = 0
-    for layer in _keras.sublayers(model, include_self=False):
-        regulariser = getattr(layer, "activity_regularizer", None)
-        if regulariser is None:
-            continue
-        if (not isinstance(model, _keras.Functional) or type(regulariser) not in kinds
-                or id(layer) not in direct or not _jax.called_once(layer)):
-            return None
-        terms += len(tree.flatten(layer.output))
-    return terms
-
-
-def batch_size_of(data) -> int:
-    """The static number of samples in a nest of batched arrays."""
-    for leaf in tree.flatten(data):
-        if leaf is not None and getattr(leaf, "shape", None):
-            return int(leaf.shape[0])
-    raise ValueError(
-        "AccumulatingModel splits each batch along its first axis, but the batch "
-        f"holds no array. Received: data={data!r}"
-    )
 
 
 def _stacked(data, devices, steps, m):

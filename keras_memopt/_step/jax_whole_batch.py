@@ -6,8 +6,8 @@ compiled, stateless step of `keras_memopt._step.jax_step` (its `Split` runs the
 micro-batches):
 
 1. every micro-batch forward (`model.stateless_call`, no gradient), its outputs
-   kept and its share of the terms of `model.losses` (`n_i / N` of each: the
-   terms `jax_step.refuse_sample_dependent_terms` takes) summed;
+   kept and its part of the terms of `model.losses` (`jax_terms.weighted`: a
+   sum over the samples as it is, any other `n_i / N` of itself) summed;
 2. the loss once, Keras's `stateless_compute_loss` on the whole batch's outputs
    (float16 and bfloat16 outputs cast to float32 first; the outputs' Keras masks
    attached as `jax_step` counts them) with those terms, and its gradient with
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from keras_memopt import _keras
 from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
-from keras_memopt._step import jax_step, per_update
+from keras_memopt._step import jax_step, jax_terms, per_update
 from keras_memopt._step.jax_fractions import Counter, Refused
 
 tree = keras.tree
@@ -101,10 +101,9 @@ def _outputs(model, split, trainable, non_trainable, x, training):
         y_pred, non_trainable, losses = model.stateless_call(
             trainable, non_trainable, xs, return_losses=True, **kwargs
         )
-        jax_step.refuse_sample_dependent_terms(model, losses)
         counted[:] = [len(losses)]
         fraction = jax_step.batch_size_of(xs) / split.size
-        return non_trainable, _summed_terms(losses, fraction), y_pred
+        return non_trainable, _summed_terms(model, losses, fraction), y_pred
 
     zero = jnp.zeros([], _wide_dtype(keras.backend.floatx()))
     penalty, after, y_pred = split.run(first, zero, non_trainable, x)
@@ -144,7 +143,7 @@ def _backward(model, split, state, x, floating, cotangents):
             flat = tree.flatten(y_pred)
             parts = [jnp.sum(flat[i].astype(c.dtype) * c)
                      for i, c in zip(floating, rows, strict=True)]
-            total = sum(parts, _summed_terms(losses, fraction))
+            total = sum(parts, _summed_terms(model, losses, fraction))
             return _scaled(model, optimizer_variables, total), after
 
         grads, non_trainable = jax.grad(surrogate, has_aux=True)(trainable)
@@ -156,14 +155,15 @@ def _backward(model, split, state, x, floating, cotangents):
     return grads
 
 
-def _summed_terms(losses, fraction):
-    """A micro-batch's share (`fraction`, `n_i / N`) of the terms of `model.losses`,
-    summed in the sum's dtype (`refuse_sample_dependent_terms` took them: each a mean
-    over the samples or independent of them)."""
+def _summed_terms(model, losses, fraction):
+    """A micro-batch's part of the terms `losses` of `model.losses` (`jax_terms.weighted`:
+    a sum over the samples as it is, any other times `fraction`, `n_i / N`), summed in
+    the sum's dtype."""
     total = jnp.zeros([], _wide_dtype(keras.backend.floatx()))
-    for term in losses:
-        total = total + jnp.sum(_widened(term)).astype(total.dtype)
-    return total * fraction
+    terms = [jnp.sum(_widened(term)).astype(total.dtype) for term in losses]
+    for term in jax_terms.weighted(model, terms, fraction):
+        total = total + term
+    return total
 
 
 def _scaled(model, optimizer_variables, loss):
