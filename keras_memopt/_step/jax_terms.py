@@ -10,7 +10,8 @@ on the batch's first two samples, in inference (`model.stateless_call(..., retur
 which changes no variable), each term and its gradient's norm, on the samples, on them a second time
 (random draws) and on them repeated; unchanged, a mean; doubled, a sum; a term that tells nothing on
 two samples, on the next pairs. A term that does neither is refused with the TensorFlow line's
-`ValueError`, before any update (`UnsplittableTerm`: the step's state is put back).
+`ValueError`, before any update (`UnsplittableTerm`: the step's state is put back); one whose value
+and gradient are not finite (weights already NaN) counts as a mean: its fraction changes nothing.
 
 What is found (`find`) is kept per model (until `compile` or `remat` changes what a step traces:
 `forget`) and read where the step is traced (`weighted`), so each micro-batch's call adds its terms
@@ -19,6 +20,7 @@ with their fractions.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import jax
@@ -29,7 +31,7 @@ from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._step import loop as _loop
 from keras_memopt._step.jax_fractions import Refused, batch_size_of
-from keras_memopt._step.seen import SUM, pair_starts, seen_terms, silent_terms, term_kind
+from keras_memopt._step.seen import MEAN, SUM, pair_starts, seen_terms, silent_terms, term_kind
 
 tree = keras.tree
 
@@ -66,7 +68,13 @@ def find(model, state, data):
         again, twice = evaluate(pair), evaluate(_rows(pair, lambda t: jnp.concatenate([t, t])))
         terms = seen_terms(terms, once, again, twice)
     _KINDS[model] = tuple(
-        term_kind(index, *term, error=UnsplittableTerm) for index, term in enumerate(terms)
+        # A term whose value and gradient are not finite on the batch's first samples
+        # (weights already NaN: a refit after plain Keras's own training diverged, the
+        # fuzzer's seed 303) makes the batch's loss and update so, and the micro-batches'
+        # sum, whatever its fraction; plain Keras trains on. Any other is told.
+        MEAN if not (math.isfinite(value.once) or math.isfinite(norm.once))
+        else term_kind(index, value, norm, UnsplittableTerm)
+        for index, (value, norm) in enumerate(terms)
     )
 
 
