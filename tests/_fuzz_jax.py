@@ -22,13 +22,6 @@ def jax_refusals(spec: Spec) -> dict:
     refusals = {}
     if dict(spec.optimizer_options).get("gradient_accumulation_steps"):
         refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
-    if spec.add_loss:
-        refusals["add_loss"] = "`model.losses`"
-    # An activity regulariser in a subclassed model or a nested Sequential: not one of
-    # a functional model's own layers.
-    if spec.regularize and (spec.build == "subclassed" or spec.nested):
-        refusals["an activity regulariser off the functional model's own layers"] = (
-            "`model.losses`")
     if spec.family == "sparse":
         refusals["a sparse input"] = "sparse input"
     # A mask that no functional model of the inputs alone computes.

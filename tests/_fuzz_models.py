@@ -19,12 +19,17 @@ from keras_memopt._keras import BACKEND, keras
 layers = keras.layers
 # The cases' own layers in the backend's operations (tf_keras has no `keras.ops`).
 if BACKEND == "jax":
-    _mean, _sum, _square = keras.ops.mean, keras.ops.sum, keras.ops.square
+    import jax.numpy as jnp
+
+    # jnp's mean in its input's dtype: Keras 3.15's `ops.mean` on JAX computes float64
+    # in float32 under `jax.jit` (its result cast back), so a mean `add_loss` term of
+    # each micro-batch and plain Keras's of the whole batch were rounded apart (2.2e-8
+    # on a loss of 1.6).
+    _mean, _sum, _square = jnp.mean, keras.ops.sum, keras.ops.square
 else:
     _mean, _sum, _square = tf.reduce_mean, tf.reduce_sum, tf.square
 TANH = "tanh"
 if BACKEND == "jax":
-    import jax.numpy as jnp
 
     @keras.saving.register_keras_serializable(package="fuzz")
     def tanh(x):
