@@ -29,6 +29,18 @@ def losses_replaced(model, terms):
         model._losses_override = saved
 
 
+def stateless_call_with_losses(model, trainable, non_trainable, x, **kwargs):
+    """`model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)`,
+    each term of `model.losses` kept. Keras 3.15 gives each layer the terms of a stateless
+    call by their `id`s, and a layer entered in a call first drops from the call's terms those
+    whose `id` it recorded in its last call: an array of a term added before it in this call
+    can have the `id` of a freed one of the last call (CPython reuses the address), and was
+    dropped (a subclassed model's third term, now and then). The records are cleared first."""
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        layer._loss_ids.clear()
+    return model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
+
+
 def called_once(layer) -> bool:
     """Whether `layer` is called once in the functional graph it belongs to."""
     return len(layer._inbound_nodes) == 1

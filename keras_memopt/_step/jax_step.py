@@ -256,8 +256,8 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
     `compute_loss_and_updates` with the fraction in the sample weights and the terms."""
     training = optimizer_variables is not None  # None: `evaluate`'s step
     kwargs = {"training": training} if _keras.calls_with_training(model) else {}
-    y_pred, non_trainable, losses = model.stateless_call(
-        trainable, non_trainable, x, return_losses=True, **kwargs
+    y_pred, non_trainable, losses = _jax.stateless_call_with_losses(
+        model, trainable, non_trainable, x, **kwargs
     )
     weights = output_weights(y_pred, sample_weight, fractions)
     terms = jax_terms.weighted(model, losses, fractions.samples)

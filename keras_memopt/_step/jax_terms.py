@@ -126,7 +126,7 @@ def _evaluator(model, trainable, non_trainable):
         full = list(trainable)
         for index, value in zip(taken, values, strict=True):
             full[index] = value
-        _, state, losses = model.stateless_call(full, state, x, return_losses=True, **kwargs)
+        _, state, losses = _jax.stateless_call_with_losses(model, full, state, x, **kwargs)
         summed = jnp.stack([jnp.sum(t).astype(dtype) for t in losses] or [jnp.zeros([], dtype)])
         summed = summed[: len(losses)]
         return summed, (summed, state)

@@ -98,8 +98,8 @@ def _outputs(model, split, trainable, non_trainable, x, training):
     counted = []
 
     def first(non_trainable, xs):
-        y_pred, non_trainable, losses = model.stateless_call(
-            trainable, non_trainable, xs, return_losses=True, **kwargs
+        y_pred, non_trainable, losses = _jax.stateless_call_with_losses(
+            model, trainable, non_trainable, xs, **kwargs
         )
         counted[:] = [len(losses)]
         fraction = jax_step.batch_size_of(xs) / split.size
@@ -137,8 +137,8 @@ def _backward(model, split, state, x, floating, cotangents):
         fraction = jax_step.batch_size_of(xs) / split.size
 
         def surrogate(trainable):
-            y_pred, after, losses = model.stateless_call(
-                trainable, non_trainable, xs, return_losses=True, **kwargs
+            y_pred, after, losses = _jax.stateless_call_with_losses(
+                model, trainable, non_trainable, xs, **kwargs
             )
             flat = tree.flatten(y_pred)
             parts = [jnp.sum(flat[i].astype(c.dtype) * c)
