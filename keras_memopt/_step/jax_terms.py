@@ -9,9 +9,11 @@ found"): before the first step of the model's own train or test step that splits
 on the batch's first two samples, in inference (`model.stateless_call(..., return_losses=True)`,
 which changes no variable), each term and its gradient's norm, on the samples, on them a second time
 (random draws) and on them repeated; unchanged, a mean; doubled, a sum; a term that tells nothing on
-two samples, on the next pairs. A term that does neither is refused with the TensorFlow line's
-`ValueError`, before any update (`UnsplittableTerm`: the step's state is put back); one whose value
-and gradient are not finite (weights already NaN) counts as a mean: its fraction changes nothing.
+two samples, on the next pairs (a model whose terms are all weight regularisers, counted from an
+abstract call, is not evaluated: none depends on the samples). A term that does neither is refused
+with the TensorFlow line's `ValueError`, before any update (`UnsplittableTerm`: the step's state is
+put back); one whose value and gradient are not finite (weights already NaN) counts as a mean: its
+fraction changes nothing.
 
 What is found (`find`) is kept per model (until `compile` or `remat` changes what a step traces:
 `forget`) and read where the step is traced (`weighted`), so each micro-batch's call adds its terms
@@ -55,6 +57,12 @@ def find(model, state, data):
     if model in _KINDS:
         return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    count = _count(model, state[0], state[1], x)
+    if count == sum(1 for v in model.trainable_weights if v.regularizer is not None):
+        # Weight regularisers only (Keras adds one per regularised weight): none depends
+        # on the samples, and nothing is evaluated.
+        _KINDS[model] = (MEAN,) * count
+        return
     evaluate = _evaluator(model, state[0], state[1])
     terms = None
     for start in pair_starts(batch_size_of(x)):
@@ -105,6 +113,17 @@ def weighted(model, losses, fraction) -> list:
         term if index < len(kinds) and kinds[index] == SUM else term * fraction
         for index, term in enumerate(losses)
     ]
+
+
+def _count(model, trainable, non_trainable, x) -> int:
+    """How many terms a call of `model` on `x` adds to `model.losses` (in inference; traced
+    for its shapes only, nothing computed)."""
+    kwargs = {"training": False} if _keras.calls_with_training(model) else {}
+
+    def terms(x):
+        return _jax.stateless_call_with_losses(model, trainable, non_trainable, x, **kwargs)[2]
+
+    return len(jax.eval_shape(terms, _rows(x, lambda t: t[:2])))
 
 
 def _rows(data, rows):
