@@ -181,3 +181,28 @@ def test_a_layer_assigned_in_every_call_is_refused_before_any_update():
         model.fit(rng.normal(size=(20, 6)), rng.normal(size=(20, 3)), batch_size=20, verbose=0)
     assert_same_weights(model, before, dict(rtol=0, atol=0))
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("loss", ["contrastive", "summed over the batch"])
+def test_without_the_option_a_loss_that_couples_the_batch_is_refused_before_any_update(loss):
+    # Split, the micro-batches' fractions of a loss that is no mean of per-sample
+    # terms add up to another loss: before the check, a loss summed over the
+    # batch trained silently 6.5 away from plain Keras's weights in two steps.
+    if loss == "contrastive":
+        model, (x, y, _) = two_towers(AccumulatingModel, micro_batch_size=10), _towers_data()
+        _compile_towers(model)
+    else:
+        inputs = keras.Input((6,))
+        model = AccumulatingModel(inputs, layers.Dense(2)(inputs), micro_batch_size=10)
+        model.compile(keras.optimizers.SGD(0.1), lambda y, p: ops.sum(ops.square(y - p)))
+        x, y = _heads_data()[0], np.ones((SAMPLES, 2))
+    model.optimizer.build(model.trainable_variables)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"this compiled loss is not: on the same outputs it was "
+                                         r".* on two samples but .*whole_batch_loss=False"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert_same_weights(model, before, dict(rtol=0, atol=0))
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.whole_batch_loss = True  # the same model trains with the option
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3

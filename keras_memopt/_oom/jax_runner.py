@@ -66,6 +66,7 @@ class StepFunctions:
         self._compiled.clear()
         self._shardings.clear()
         jax_terms.forget(self.model)
+        jax_step.forget_loss_split(self.model)
 
     def function(self, kind, finds_terms=False):
         """`model.<kind>_function(state, iterator)`: up to `steps_per_execution` steps;
@@ -105,6 +106,7 @@ class StepFunctions:
                 self._before_train(state, data)
             if finds_terms and jax_step.splits(model.micro_batch_size_for, data):
                 jax_terms.find(model, state, data)  # at the setting a backoff set, too
+                jax_step.check_loss_split(model, state, data)
             step = self._step(kind, donate=policy is None)
             started = time.perf_counter()
             try:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,13 @@ from keras_memopt._keras import keras
 from keras_memopt._step import jax_terms, per_update
 from keras_memopt._step import loop as _loop
 from keras_memopt._step.jax_fractions import Counter, Refused, batch_size_of, output_weights
+from keras_memopt._step.seen import (
+    NEGLIGIBLE,
+    Seen,
+    coupled_loss_message,
+    pair_starts,
+    tolerance_of,
+)
 
 tree = keras.tree
 
@@ -247,6 +255,60 @@ def predict_step(model, micro_batch_size, state, data):
 
     _, non_trainable, outputs = split.run(micro, (), non_trainable, x)
     return outputs, non_trainable
+
+
+class UnsplittableLoss(Refused, ValueError):
+    """A loss of the outputs that the micro-batches' fractions do not add up to (the
+    TensorFlow line's `ValueError`), found before the step runs."""
+
+
+# The models whose loss `check_loss_split` found to split.
+_SPLITS = weakref.WeakSet()
+
+
+def check_loss_split(model, state, data):
+    """Refuses, once, before the first step that splits a batch, a loss of the outputs that
+    the step's fractions do not add up to: one that sums over the batch or couples its
+    samples, unless `whole_batch_loss`. In inference, on the batch's first two samples (the
+    next pairs while the loss tells nothing there), the loss of both against the sum of each
+    sample's fraction of it, as this step computes a micro-batch's (the TensorFlow line's
+    check; docs/accumulation.md, "How the fraction is found").
+
+    Raises:
+        UnsplittableLoss: where the two differ (nothing has changed).
+    """
+    if model in _SPLITS or getattr(model, "whole_batch_loss", False):
+        return
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    trainable, non_trainable, metrics_variables = state[0], state[1], state[-1]
+    rtol = tolerance_of(keras.backend.floatx())
+    for start in pair_starts(batch_size_of(x)) if y is not None else ():
+        pair = _rows((x, y, sample_weight), start, 2)
+        counter = Counter(model, pair[1])
+        counts = counter.totals(*pair[:2])
+
+        def loss(part, samples, counter=counter, counts=counts):
+            fractions = counter.fractions(*part[:2], samples, counts)
+            return float(_micro_loss(model, trainable, non_trainable, metrics_variables, None,
+                                     *part, fractions)[0])
+
+        seen = Seen(loss(pair, 1.0), parts=sum(loss(_rows(pair, i, 1), 0.5) for i in (0, 1)),
+                    rtol=rtol)
+        if max(abs(seen.once), abs(seen.parts)) >= NEGLIGIBLE:
+            if not seen.adds_up():
+                raise UnsplittableLoss(coupled_loss_message(model, seen.split(), False))
+            break
+    _SPLITS.add(model)
+
+
+def forget_loss_split(model):
+    """Forgets that `check_loss_split` found `model`'s loss to split (a new `compile`)."""
+    _SPLITS.discard(model)
+
+
+def _rows(data, start, size):
+    """Rows `start` to `start + size` of each array of `data`."""
+    return tree.map_structure(lambda t: None if t is None else t[start : start + size], data)
 
 
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,

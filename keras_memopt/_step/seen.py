@@ -129,6 +129,26 @@ class Seen:
         )
 
 
+def coupled_loss_message(model, changed: str, overridden: bool) -> str:
+    """The error for a loss of the outputs that is no mean of per-sample terms (`changed`: how
+    the probe saw it; `overridden`: the loss is the model's own `compute_loss`)."""
+    where = "`compute_loss`" if overridden else "compiled loss"
+    return (
+        "AccumulatingModel adds up each micro-batch's loss weighted by its share "
+        "of the batch, which equals the batch's loss when the loss is a mean of "
+        f"per-sample terms; this {where} is not: on the same outputs it "
+        f"{changed}, so it sums over the batch or couples its samples "
+        "(a contrastive loss whose negatives are the batch's other rows, a listwise "
+        "ranking loss, a ratio of the batch's sums such as a Dice loss, targets of shape "
+        "(batch,) broadcast against outputs of shape (batch, 1)). Pass "
+        "`whole_batch_loss=True` to AccumulatingModel to evaluate "
+        "it once on the whole batch's outputs (exact for any loss of the outputs, "
+        "for about one more forward pass), or return one loss value per sample "
+        "(Keras averages them). Received: "
+        f"loss={getattr(model, 'loss', None)!r}, whole_batch_loss=False"
+    )
+
+
 # -- the terms of `model.losses` -----------------------------------------------------
 
 

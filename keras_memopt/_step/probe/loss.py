@@ -21,7 +21,14 @@ from keras_memopt._step import rollback as _rollback
 from keras_memopt._step.losses import LossForm, overrides
 from keras_memopt._step.probe import in_replica, pairs, repeat, sample, tolerance
 from keras_memopt._step.probe import metrics as _metrics
-from keras_memopt._step.seen import NAN, Seen, seen_terms, silent_terms, term_kind
+from keras_memopt._step.seen import (
+    NAN,
+    Seen,
+    coupled_loss_message,
+    seen_terms,
+    silent_terms,
+    term_kind,
+)
 
 
 def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
@@ -69,27 +76,11 @@ def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
         whole, one = loss
         changed = whole.not_a_mean() or (None if one.adds_up() else one.split(alone=True))
         if changed is not None:
-            raise ValueError(_coupled_message(model, changed))
+            raise ValueError(
+                coupled_loss_message(model, changed, overrides(model, "compute_loss"))
+            )
     kinds = tuple(term_kind(index, *term) for index, term in enumerate(terms))
     return dataclasses.replace(form, terms=kinds, masked=masked, metrics=metrics)
-
-
-def _coupled_message(model, changed):
-    where = "`compute_loss`" if overrides(model, "compute_loss") else "compiled loss"
-    return (
-        "AccumulatingModel adds up each micro-batch's loss weighted by its share "
-        "of the batch, which equals the batch's loss when the loss is a mean of "
-        f"per-sample terms; this {where} is not: on the same outputs it "
-        f"{changed}, so it sums over the batch or couples its samples "
-        "(a contrastive loss whose negatives are the batch's other rows, a listwise "
-        "ranking loss, a ratio of the batch's sums such as a Dice loss, targets of shape "
-        "(batch,) broadcast against outputs of shape (batch, 1)). Pass "
-        "`whole_batch_loss=True` to AccumulatingModel to evaluate "
-        "it once on the whole batch's outputs (exact for any loss of the outputs, "
-        "for about one more forward pass), or return one loss value per sample "
-        "(Keras averages them). Received: "
-        f"loss={getattr(model, 'loss', None)!r}, whole_batch_loss=False"
-    )
 
 
 def _loss_and_terms(model, split, form, data, whole_batch_loss):
