@@ -27,7 +27,7 @@ if BACKEND == "jax":
 
     from keras_memopt import AccumulatingModel
 
-ops = keras.ops
+ops = getattr(keras, "ops", None)  # Keras 3 (tf_keras, which collects the module, has none)
 layers = keras.layers
 TOLERANCE = dict(rtol=1e-9, atol=1e-9)
 SAMPLES, BATCH = 60, 24
