@@ -197,9 +197,9 @@ def train_step(model, micro_batch_size, state, data):
         unscaled, y_pred, non_trainable, trackers = aux
         return non_trainable, (grads, unscaled, trackers), y_pred
 
-    zeros = _zero_parts(model, trainable)
+    zeros = zero_parts(model, trainable)
     (grads, loss, trackers), non_trainable, y_pred = split.run(
-        micro, zeros, non_trainable, (x, y, sample_weight), fold=_gradient_fold(model)
+        micro, zeros, non_trainable, (x, y, sample_weight), fold=gradient_fold(model)
     )
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
@@ -229,7 +229,7 @@ def test_step(model, micro_batch_size, state, data):
         )
         return non_trainable, (loss, trackers), y_pred
 
-    zeros = _zero_parts(model, trainable)[1:]
+    zeros = zero_parts(model, trainable)[1:]
     (loss, trackers), non_trainable, y_pred = split.run(
         micro, zeros, non_trainable, (x, y, sample_weight)
     )
@@ -431,7 +431,7 @@ def _summed(totals, parts):
     return tree.map_structure(jnp.add, totals, parts)
 
 
-def _gradient_fold(model):
+def gradient_fold(model):
     """`fold(totals, parts)` for the train step's `(gradients, loss, trackers)`: sums
     them, but takes the maximum of the "gradients" of variables the optimizer
     overwrites with them (`loop.overwritten`: Keras 3's float8 scales and amax
@@ -451,9 +451,9 @@ def _gradient_fold(model):
     return fold
 
 
-def _zero_parts(model, trainable):
+def zero_parts(model, trainable):
     """What each micro-batch's gradients, loss and loss-tracker parts are folded into:
-    zeros, but `-inf` for a "gradient" folded by its maximum (`_gradient_fold`)."""
+    zeros, but `-inf` for a "gradient" folded by its maximum (`gradient_fold`)."""
     grads = [jnp.full_like(t, -jnp.inf) if _loop.overwritten(v) else jnp.zeros_like(t)
              for v, t in zip(model.trainable_variables, trainable, strict=True)]
     dtype = jnp.dtype(keras.backend.floatx())

@@ -130,7 +130,7 @@ def _backward(model, split, state, x, floating, cotangents):
     (one per output of `floating`) back-propagated, with its share of the terms."""
     trainable, non_trainable, optimizer_variables = state
     kwargs = {"training": True} if _keras.calls_with_training(model) else {}
-    zeros = jax_step._zero_parts(model, trainable)  # (gradients, loss, trackers): its fold's
+    zeros = jax_step.zero_parts(model, trainable)  # (gradients, loss, trackers): its fold's
 
     def second(non_trainable, part):
         xs, rows = part
@@ -150,7 +150,7 @@ def _backward(model, split, state, x, floating, cotangents):
         return non_trainable, (grads, *zeros[1:]), ()
 
     (grads, _, _), _, _ = split.run(
-        second, zeros, non_trainable, (x, list(cotangents)), fold=jax_step._gradient_fold(model)
+        second, zeros, non_trainable, (x, list(cotangents)), fold=jax_step.gradient_fold(model)
     )
     return grads
 
