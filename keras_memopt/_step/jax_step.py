@@ -283,7 +283,7 @@ def check_loss_split(model, state, data):
     trainable, non_trainable, metrics_variables = state[0], state[1], state[-1]
     rtol = tolerance_of(keras.backend.floatx())
     for start in pair_starts(batch_size_of(x)) if y is not None else ():
-        pair = _rows((x, y, sample_weight), start, 2)
+        pair = jax_terms.rows_of((x, y, sample_weight), lambda t, at=start: t[at : at + 2])
         counter = Counter(model, pair[1])
         counts = counter.totals(*pair[:2])
 
@@ -292,8 +292,8 @@ def check_loss_split(model, state, data):
             return float(_micro_loss(model, trainable, non_trainable, metrics_variables, None,
                                      *part, fractions)[0])
 
-        seen = Seen(loss(pair, 1.0), parts=sum(loss(_rows(pair, i, 1), 0.5) for i in (0, 1)),
-                    rtol=rtol)
+        alone = [jax_terms.rows_of(pair, lambda t, i=i: t[i : i + 1]) for i in (0, 1)]
+        seen = Seen(loss(pair, 1.0), parts=sum(loss(one, 0.5) for one in alone), rtol=rtol)
         if max(abs(seen.once), abs(seen.parts)) >= NEGLIGIBLE:
             if not seen.adds_up():
                 raise UnsplittableLoss(coupled_loss_message(model, seen.split(), False))
@@ -304,11 +304,6 @@ def check_loss_split(model, state, data):
 def forget_loss_split(model):
     """Forgets that `check_loss_split` found `model`'s loss to split (a new `compile`)."""
     _SPLITS.discard(model)
-
-
-def _rows(data, start, size):
-    """Rows `start` to `start + size` of each array of `data`."""
-    return tree.map_structure(lambda t: None if t is None else t[start : start + size], data)
 
 
 def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_variables,

@@ -68,12 +68,12 @@ def find(model, state, data):
     for start in pair_starts(batch_size_of(x)):
         if terms is not None and not silent_terms(terms):
             break
-        pair = _rows(x, lambda t, start=start: t[start : start + 2])
+        pair = rows_of(x, lambda t, start=start: t[start : start + 2])
         once = evaluate(pair)
         if not once:
             terms = []
             break
-        again, twice = evaluate(pair), evaluate(_rows(pair, lambda t: jnp.concatenate([t, t])))
+        again, twice = evaluate(pair), evaluate(rows_of(pair, lambda t: jnp.concatenate([t, t])))
         terms = seen_terms(terms, once, again, twice)
     _KINDS[model] = tuple(
         # A term whose value and gradient are not finite on the batch's first samples
@@ -123,10 +123,10 @@ def _count(model, trainable, non_trainable, x) -> int:
     def terms(x):
         return _jax.stateless_call_with_losses(model, trainable, non_trainable, x, **kwargs)[2]
 
-    return len(jax.eval_shape(terms, _rows(x, lambda t: t[:2])))
+    return len(jax.eval_shape(terms, rows_of(x, lambda t: t[:2])))
 
 
-def _rows(data, rows):
+def rows_of(data, rows):
     """`rows(t)` of each array `t` of `data`."""
     return tree.map_structure(lambda t: None if t is None else rows(t), data)
 
