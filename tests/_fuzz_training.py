@@ -171,6 +171,7 @@ def _usual_loss(head):
     return keras.losses.MeanSquaredError()
 
 
+@keras.saving.register_keras_serializable(package="fuzz")  # a reloaded case loads it back
 def batch_mean(y_true, y_pred):
     """One scalar for the batch's outputs together, which Keras averages over batches."""
     return keras.ops.mean(y_pred) if BACKEND == "jax" else tf.reduce_mean(y_pred)

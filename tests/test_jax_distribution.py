@@ -319,11 +319,12 @@ class TestRecomputation:
         # Too small to save anything: it chooses none, and warns.
         assert segments == [] and note.startswith("none: "), note
         assert any("found nothing worth recomputing" in m for m in runs["auto/2"]["warned"])
-        # Each candidate compiled at each device's 3 samples times the two devices,
-        # split over both (the batch's sharding), then the step's 6 and 2.
+        # Each candidate compiled for the whole step, its micro-batches of each device's
+        # 3 samples times the two devices, split over both (the batch's sharding), and
+        # the last 2; then the step itself.
         assert "at a micro-batch of 6 (3 on each of 2 devices)" in note
         assert "; 3 candidates compiled in " in note
-        assert runs["auto/2"]["seen"] == [[6, False]] * 4 + [[2, False]]
+        assert runs["auto/2"]["seen"] == [[6, False], [2, False]] * 4
 
 
 def _model_parallel():

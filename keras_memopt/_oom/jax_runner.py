@@ -102,11 +102,12 @@ class StepFunctions:
         while True:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
             size = model.micro_batch_size_for(jax_step.batch_size_of(x))
-            if kind == "train" and self._before_train is not None:
-                self._before_train(state, data)
             if finds_terms and jax_step.splits(model.micro_batch_size_for, data):
                 jax_terms.find(model, state, data)  # at the setting a backoff set, too
                 jax_step.check_loss_split(model, state, data)
+            if kind == "train" and self._before_train is not None:
+                # After `find`: `remat="auto"` compiles the step, which weighs the terms.
+                self._before_train(state, data)
             step = self._step(kind, donate=policy is None)
             started = time.perf_counter()
             try:

@@ -3,11 +3,11 @@
 
 `remat="auto"` takes the TensorFlow line's cut points (`_remat.segments.candidate_separators`) and
 candidates (`_remat.candidates`), and measures each the JAX way: the model's train step, with that
-candidate's segments, is lowered and compiled for abstract arrays (`jax.ShapeDtypeStruct`) at the
-step's micro-batch (under `keras.distribution.DataParallel`, each device's times the device count,
-on the state's and the batch's own shardings), so nothing runs, and `memory_analysis()` gives its
-temporaries. `pick` chooses by the TensorFlow line's rule, what a candidate recomputes counted as
-its units recomputed. The choice is made once per micro-batch setting, before that setting's first
+candidate's segments, is lowered and compiled for abstract arrays (`jax.ShapeDtypeStruct`) of the
+step's batch, split as the step splits it (on the state's and the batch's own shardings under
+`keras.distribution.DataParallel`), so nothing runs, and `memory_analysis()` gives its temporaries.
+`pick` chooses by the TensorFlow line's rule, what a candidate recomputes counted as its units
+recomputed. The choice is made once per micro-batch setting, before that setting's first
 compiled step, when the step's state and batch are known; a new setting (`OOMBackoff`, a new
 `micro_batch_size`) chooses anew, and going back to one reuses its choice. docs/remat.md ("On
 JAX") has the figures.
@@ -77,7 +77,9 @@ class Recomputation:
         micro = split.m * split.devices
         units = _segments.SegmentPlan(model, separators, graph).segments
         found = _thinned(_candidates.candidates(len(units), _candidates.unit_signatures(units)))
-        specs = (_abstract(state), _abstract(data, rows=micro))
+        # The whole step (its micro-batches, the gradients' sum): with `accumulation_steps`
+        # a micro-batch's rows alone would be split again.
+        specs = (_abstract(state), _abstract(data))
         started = time.perf_counter()
         temporaries, plans = {}, {}
         for cuts in found:
@@ -121,16 +123,14 @@ class Recomputation:
             self.stages = saved
 
 
-def _abstract(tree, rows=None):
-    """`tree`'s arrays as `jax.ShapeDtypeStruct`s (their first axis `rows` long where given),
-    on their own shardings."""
+def _abstract(tree):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s, on their own shardings."""
 
     def spec(leaf):
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             return leaf
-        shape = leaf.shape if rows is None or not leaf.ndim else (rows, *leaf.shape[1:])
         sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
-        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map(spec, tree)
 
