@@ -82,14 +82,20 @@ def pytest_collection_modifyitems(config, items):
 
     First, so that with pytest-xdist no long test starts when the others are
     done and leaves one worker running alone at the end.
+
+    `line_independent` marks a test that exercises no Keras code, or one whose
+    Keras-line-specific path another test runs on tf_keras: a repeat there
+    would check the same code again. The second kind says which test, as
+    `pytest.mark.line_independent(reason=...)`; the skip reports it.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     if not LEGACY:
         return
-    skip = pytest.mark.skip(reason="the same on both Keras lines: the Keras 3 pass runs it")
     for item in items:
-        if item.get_closest_marker("line_independent"):
-            item.add_marker(skip)
+        marker = item.get_closest_marker("line_independent")
+        if marker:
+            reason = marker.kwargs.get("reason", "the same on both Keras lines")
+            item.add_marker(pytest.mark.skip(reason=f"{reason}: the Keras 3 pass runs it"))
 
 
 @pytest.fixture
