@@ -719,6 +719,10 @@ def _real(code):
 
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="a real out-of-memory error's rollback on tf_keras is "
+    "test_real_oom_in_the_loop_or_the_update_changes_nothing's; its backoff and retry "
+    "there, TestBackoff's")
 def test_real_oom_backs_off_to_the_result_of_a_run_started_there():
     figures, stdout = _real(REAL_FIT)
     assert [b["failed_micro_batch_size"] for b in figures["backoffs"]] == [4096], stdout
@@ -748,6 +752,10 @@ print(json.dumps(out))
 """
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="a real out-of-memory error's rollback on tf_keras is "
+    "test_real_oom_in_the_loop_or_the_update_changes_nothing's; evaluate's backoff there, "
+    "TestBackoff's test_evaluate_and_predict_back_off")
 def test_real_oom_in_evaluate():
     figures, stdout = _real(REAL_EVALUATE)
     assert figures["evaluate_backoffs"] == [4 * 4096], stdout

@@ -115,6 +115,10 @@ print(json.dumps(dict(held=held, epochs=epochs.epochs, final=model.micro_batch_s
 
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="what a backoff keeps is the policy's own record, plain data on both lines "
+    "(test_the_callback_keeps_figures_of_a_backoff_not_the_error); what tf_keras's later "
+    "epochs hold: test_later_epochs_start_their_steps_with_the_memory_of_the_first")
 def test_a_fit_that_backed_off_holds_no_more_and_backs_off_in_its_first_epoch(tmp_path):
     """Against a run started at the size the first backed off to, in a process of its own."""
     backed_off, clean = _children(
@@ -187,6 +191,9 @@ print(json.dumps(dict(search=model.micro_batch_search, after=after.sizes,
 
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="the search's margin from allocator figures of the same steps; its trials and "
+    "rollback on tf_keras: test_oom_backoff.py's TestAuto")
 def test_auto_chooses_a_size_that_trains_on_with_the_margin_it_measured():
     (figures,) = _children([(AUTO,)], memory_limit_mb=40)
     search, after = figures["search"], figures["after"]
@@ -279,6 +286,9 @@ print(json.dumps(result))
 
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="each model's own policy, keras_memopt's code; a real out-of-memory rollback on "
+    "tf_keras: test_oom_backoff.py's test_real_oom_in_the_loop_or_the_update_changes_nothing")
 def test_two_models_on_one_device_back_off_alone_and_train_as_their_clean_runs(tmp_path):
     path = str(tmp_path / "two")
     (limited,) = _children([(TWO_MODELS, "limited", path)], memory_limit_mb=52)
