@@ -69,35 +69,39 @@ def _keras_env():
 
 
 @pytest.mark.slow
+@pytest.mark.line_independent(
+    reason="the supervisor's restarts are process machinery; on tf_keras the cap's reaching "
+    "the model is test_the_cap_reaches_the_model, a resume from the backup "
+    "test_backup_and_restore.py")
 def test_a_crashed_run_restarts_smaller_and_ends_as_a_run_that_switched(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     supervised = tmp_path / "supervised.npz"
     command = [
         sys.executable, "-m", "keras_memopt.cli", "run", "--factor", "0.5", "--",
-        sys.executable, str(script), str(supervised), str(tmp_path / "backup"), "8", "-1", "0",
+        sys.executable, str(script), str(supervised), str(tmp_path / "backup"), "16", "-1", "0",
     ]
     result = subprocess.run(
         command, env={**os.environ, **_keras_env()}, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # One restart (a crash of a restarted run, under its cap: test_a_chosen_onednn_setting_is_kept).
     restarts = [line for line in result.stderr.splitlines() if "restarting it" in line]
-    assert len(restarts) == 2, result.stderr[-3000:]
+    assert len(restarts) == 1, result.stderr[-3000:]
     assert "died of SIGSEGV at micro_batch_size=32" in restarts[0]
     assert "with micro_batch_size at most 16" in restarts[0]
-    assert "died of SIGSEGV at micro_batch_size=16" in restarts[1]
 
-    # The run that never crashed: epochs 0 and 1 at 32, then 8 (the backup is
-    # taken at each epoch's end; the restarts redo epoch 2 from its start).
+    # The run that never crashed: epochs 0 and 1 at 32, then 16 (the backup is
+    # taken at each epoch's end; the restart redoes epoch 2 from its start).
     reference = tmp_path / "reference.npz"
     output = _subprocess.run(
-        [str(script), str(reference), str(tmp_path / "backup_reference"), "1000", "2", "8"],
+        [str(script), str(reference), str(tmp_path / "backup_reference"), "1000", "2", "16"],
         env=_keras_env(),
         timeout=600,
     )
     assert output.returncode == 0, output.tail()
     received, expected = np.load(supervised), np.load(reference)
-    assert int(received["size"]) == 8
+    assert int(received["size"]) == 16
     assert sorted(received.files) == sorted(expected.files)
     for key in expected.files:
         np.testing.assert_allclose(received[key], expected[key], **SAME_COMPUTATION, err_msg=key)
