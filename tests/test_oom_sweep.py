@@ -59,10 +59,15 @@ CHILD = textwrap.dedent(
     from keras_memopt._keras import keras
 
     kind, mode, out, schedule_path = sys.argv[1:5]
-    BATCH = {batches}[kind]
     MINIMUM, STEPS = {minimum}, {steps}
 
-    def build(micro_batch_size):
+    def data(kind):
+        batch = {batches}[kind]
+        rng = np.random.RandomState(0)
+        shape = (batch, 64) if kind == "mlp" else (batch, 16, 16, 3)
+        return batch, rng.standard_normal(shape).astype("float32"), rng.randint(0, 10, batch)
+
+    def build(kind, micro_batch_size):
         keras.utils.set_random_seed(0)
         if kind == "mlp":
             inputs = keras.Input((64,))
@@ -85,10 +90,8 @@ CHILD = textwrap.dedent(
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    rng = np.random.RandomState(0)
-    shape = (BATCH, 64) if kind == "mlp" else (BATCH, 16, 16, 3)
-    x = rng.standard_normal(shape).astype("float32")
-    y = rng.randint(0, 10, BATCH)
+    if mode != "replay":
+        BATCH, x, y = data(kind)
 
     def state(model):
         values = [np.asarray(v) for v in model.variables]
@@ -125,7 +128,7 @@ CHILD = textwrap.dedent(
         sizes = [int(s) for s in schedule_path.split(",")]
         peaks = dict()
         for size in sizes:
-            model, built = build(size), BuildPeak()
+            model, built = build(kind, size), BuildPeak()
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[built])
             peaks["build"] = max(peaks.get("build", 0), built.peak)
             tf.config.experimental.reset_memory_stats("CPU:0")
@@ -133,11 +136,12 @@ CHILD = textwrap.dedent(
             peaks[size] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             del model
         print(json.dumps(peaks))
-    elif mode == "replay":  # no limit: the clean runs the sweep's runs must equal
+    elif mode == "replay":  # no limit: the clean runs the sweep's runs must equal (any kind)
         runs = json.load(open(out))
         for run in runs:
+            BATCH, x, y = data(run["kind"])
             schedule = {{int(k): v for k, v in run["schedule"].items()}}
-            model = build(schedule.get(0, BATCH))
+            model = build(run["kind"], schedule.get(0, BATCH))
 
             class Replay(keras.callbacks.Callback):
                 def on_epoch_begin(self, epoch, logs=None):
@@ -150,7 +154,7 @@ CHILD = textwrap.dedent(
                 model.optimizer.build(model.trainable_variables)
             np.savez(run["reference"], *state(model))
     else:  # under a limit, supervised
-        model = build(BATCH)
+        model = build(kind, BATCH)
         backoff = kmo.callbacks.OOMBackoff(factor=0.125, min_micro_batch_size=MINIMUM, verbose=0)
         callbacks = [kmo.callbacks.BackupAndRestore(out + ".backup"), backoff, Record()]
         try:
@@ -248,13 +252,11 @@ def test_every_limit_ends_trained_or_stopped_cleanly(tmp_path):
                     or "a smaller micro-batch needs no less memory there" in message), run
             assert "the model, optimizer and metrics are as they were" in message
 
-    replays = []
-    for kind in BATCHES:
-        path = tmp_path / f"{kind}_runs.json"
-        path.write_text(json.dumps([run for run in runs if run["kind"] == kind]))
-        replays.append((f"{kind} clean runs", [str(script), kind, "replay", str(path), "-"],
-                        unlimited))
-    _run_all(replays)
+    # Every clean run in one process: without a limit, nothing one leaves changes another's
+    # figures (each builds its model from the same seed).
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(runs))
+    _run_all([("clean runs", [str(script), "-", "replay", str(path), "-"], unlimited)])
     for run in runs:
         received, expected = np.load(run["state"]), np.load(run["reference"])
         compared = run["compared"] or len(expected.files)
