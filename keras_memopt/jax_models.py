@@ -59,7 +59,11 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     batch. The loss, the per-output losses and the compiled metrics are
     plain Keras's figures for the whole batch. BatchNormalization normalises
     each micro-batch with its own statistics and advances its moving
-    statistics once per micro-batch, as on the TensorFlow line.
+    statistics once per micro-batch, as on the TensorFlow line. A masked
+    output's loss is split by its unmasked elements, counted before the loop;
+    where no functional model of the inputs alone computes the mask (a
+    subclassed or nested model, a mask that needs weights), by one forward
+    pass per micro-batch more, which leaves the model's state as it was.
 
     On JAX a micro-batch size is a static shape: each size is compiled once.
     `evaluate` and `predict` split large batches the same way (the whole
@@ -107,8 +111,7 @@ class AccumulatingModel(JaxCustomSteps, keras.Model):
     Not yet on JAX (refused, naming the feature, before any update):
     `replica_shares`, `devices`, `device_cuts`,
     `micro_batch_size="auto"` or one size per
-    replica, a Keras mask on an output of a subclassed model or made with
-    the model's weights (where the batch is split), a term of `model.losses`
+    replica, a term of `model.losses`
     added only in training, terms other than weight regularisers and Keras's
     L1, L2 and L1L2 activity regularisers on a functional model's layers in
     a custom `train_step` around the model's own (both where the batch is

@@ -7,7 +7,7 @@ such cases out of CI's JAX sample.
 
 from __future__ import annotations
 
-from _fuzz_cases import JAX, TOKEN_FAMILIES, Spec
+from _fuzz_cases import JAX, Spec
 
 
 def jax_refusals(spec: Spec) -> dict:
@@ -24,8 +24,4 @@ def jax_refusals(spec: Spec) -> dict:
         refusals["the optimizer's gradient_accumulation_steps"] = "gradient_accumulation_steps"
     if spec.family == "sparse":
         refusals["a sparse input"] = "sparse input"
-    # A mask that no functional model of the inputs alone computes.
-    masked = spec.masking or (spec.mask_zero and spec.family in TOKEN_FAMILIES)
-    if masked and (spec.build == "subclassed" or spec.nested):
-        refusals["a mask on an output of a subclassed or nested model"] = "mask"
     return refusals

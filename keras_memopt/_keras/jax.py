@@ -55,3 +55,11 @@ def state_shardings(model, kind):
         "test": (trainable, non_trainable, metrics),
         "predict": (trainable, non_trainable),
     }[kind]
+
+
+def mask_of(tensor):
+    """The Keras mask a JAX array carries, or None: a traced array takes no
+    attribute, so Keras keeps its mask in a table by the array's id."""
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)

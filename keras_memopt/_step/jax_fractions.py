@@ -7,28 +7,32 @@ TensorFlow line, `keras_memopt._step.losses`):
 
 - the samples (`"sum_over_batch_size"`, Keras's default: it divides by the
   number of values, not by the sum of the sample weights): `n_i / N`;
-- the elements it keeps, where the output carries a Keras mask
-  (`Embedding(mask_zero=True)` reaching it) or its loss has `ignore_class`
-  (both: the elements kept by both): the micro-batch's count over the
-  batch's, counted before the loop;
+- the elements it keeps, where the output carries a Keras mask or its loss
+  has `ignore_class` (both: the elements kept by both): the micro-batch's
+  count over the batch's, counted before the loop;
 - nothing (`reduction="sum"`; a mask or an ignored class only drops
   elements): one.
 
-A functional model's outputs say which carry a mask, and the mask is a
-function of the inputs (`Embedding`'s `inputs != 0`): `Counter` builds that
-function as a functional model of its own from the model's symbolic outputs,
-and refuses a mask that needs the model's weights to compute (a `Masking`
-layer after a trained layer). A subclassed model's outputs do not say: one
-with a layer that makes masks is refused where the batch is split.
+Which outputs carry a mask is what a call of the model gives them (its trace,
+`jax.eval_shape`), and each micro-batch counts the masks its own outputs carry.
+The batch's counts come from the targets and, where an output carries a mask,
+from a functional model of the inputs alone (a functional model's `Embedding`
+mask, `inputs != 0`: `_mask_model`); where none computes it (a subclassed
+model, a nested one, a mask that needs weights), from a forward pass over the
+micro-batches that only counts, the step's own call (`jax_calls`) with its
+state carried as the loop carries it, then discarded: the masks it counts are
+the loop's, and Dropout and BatchNormalization advance once per micro-batch.
 """
 
 from __future__ import annotations
 
 import weakref
 
+import jax
 import jax.numpy as jnp
 
 from keras_memopt import _keras
+from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._step.losses import ignore_classes, summed_outputs
 
@@ -60,18 +64,15 @@ class Counter:
     """
 
     def __init__(self, model, y):
+        self.model = model
         outputs = max(len(tree.flatten(y)), 1)
         self.classes = ignore_classes(model, y) or (None,) * outputs
         self.summed = summed_outputs(model, y) or (False,) * outputs
-        self.masks = _mask_model(model)
 
-    def counted(self, x, y) -> list:
-        """Per flat output, the elements its loss keeps (booleans), or None where
-        it counts samples."""
-        masks = [None] * len(self.classes)
-        if self.masks is not None:
-            computed, _ = self.masks.stateless_call([], [], x)
-            masks = _with_gaps(self.masks.kept, tree.flatten(computed))
+    def counted(self, y, masks) -> list:
+        """Per flat output, the elements its loss keeps (booleans): its Keras mask
+        (`masks`, one per flat output, None where it has none), and'ed with the
+        targets its loss does not ignore; None where it counts samples."""
         counted = []
         for mask, target, ignored in zip(
             masks, _flat_targets(y, len(self.classes)), self.classes, strict=True
@@ -82,26 +83,51 @@ class Counter:
             counted.append(mask)
         return counted
 
-    def with_masks(self, x, y_pred):
-        """`y_pred` (the whole batch's outputs) with the masks Keras gives them."""
-        if self.masks is None:
-            return y_pred
-        computed, _ = self.masks.stateless_call([], [], x)
-        masks = _with_gaps(self.masks.kept, tree.flatten(computed))
-        flat = [t if mask is None else _MaskAttached()(t, mask=mask)
-                for t, mask in zip(tree.flatten(y_pred), masks, strict=True)]
-        return tree.pack_sequence_as(y_pred, flat)
-
-    def totals(self, x, y) -> list:
-        """The whole batch's counts (`counted`, summed)."""
+    def totals(self, data, call, state, split=None) -> list:
+        """The whole batch's counts (`counted`, summed; None where an output counts
+        samples), before the loop: from the targets and, where an output carries a
+        mask, from a functional model of the inputs alone (`_mask_model`) or, where
+        none computes it, from a forward pass over the micro-batches of `split` (the
+        gradient loop's `Split`) that only counts: `call(state, xs) -> (y_pred,
+        state)`, the step's own call of the model, its state carried from `state` as
+        the loop carries it and then discarded. Without `split` (the loss check's
+        pair of samples, outside the compiled step), from one call on all of `data`."""
+        x, y, _ = data
+        if split is None:
+            return self._summed(self.counted(y, _masks_of(call(state, x)[0])))
+        shapes = jax.eval_shape(lambda s, xs: _masks_of(call(s, xs)[0]), state, x)
+        masked = [mask is not None for mask in shapes]
+        if not any(masked):
+            return self._summed(self.counted(y, [None] * len(masked)))
+        masks_model = _mask_model(self.model, masked)
+        if masks_model is not None:
+            computed, _ = masks_model.stateless_call([], [], x)
+            return self._summed(self.counted(y, _with_gaps(masked, tree.flatten(computed))))
+        counting = [m or c is not None for m, c in zip(masked, self.classes, strict=True)]
         dtype = jnp.result_type(float)
-        return [None if c is None else jnp.sum(c).astype(dtype) for c in self.counted(x, y)]
 
-    def fractions(self, x, y, samples, totals) -> Fractions:
-        """A micro-batch's (inputs `x`, targets `y`) fraction of each output's loss:
-        `samples` (`n_i / N`), its count over the batch's `totals`, or one."""
+        def count(state, part):
+            xs, ys, _ = part
+            y_pred, state = call(state, xs)
+            parts = self._summed(self.counted(ys, _masks_of(y_pred)))
+            return state, [jnp.zeros([], dtype) if c is None else c for c in parts], ()
+
+        zeros = [jnp.zeros([], dtype) for _ in counting]
+        totals, _, _ = split.run(count, zeros, state, data)
+        return [t if c else None for t, c in zip(totals, counting, strict=True)]
+
+    @staticmethod
+    def _summed(counted) -> list:
+        dtype = jnp.result_type(float)
+        return [None if c is None else jnp.sum(c).astype(dtype) for c in counted]
+
+    def fractions(self, y, y_pred, samples, totals) -> Fractions:
+        """A micro-batch's (targets `y`, outputs `y_pred` with their Keras masks)
+        fraction of each output's loss: `samples` (`n_i / N`), its count over the
+        batch's `totals`, or one."""
         fractions = []
-        for counted, sums, total in zip(self.counted(x, y), self.summed, totals, strict=True):
+        kept = self.counted(y, _masks_of(y_pred))
+        for counted, sums, total in zip(kept, self.summed, totals, strict=True):
             if sums:
                 fractions.append(1.0)
             elif counted is not None:
@@ -110,6 +136,27 @@ class Counter:
             else:
                 fractions.append(samples)
         return Fractions(fractions, samples)
+
+
+def masked_outputs(y_pred) -> tuple:
+    """`(masks, kept)`: the Keras masks `y_pred`'s flat outputs carry (those that
+    carry one) and which flat outputs carry one; `with_masks` attaches them again
+    (to the outputs of a loop, which carry none)."""
+    masks = _masks_of(y_pred)
+    return [mask for mask in masks if mask is not None], [mask is not None for mask in masks]
+
+
+def with_masks(y_pred, masks, kept):
+    """`y_pred` (the whole batch's outputs) with `masks` (`masked_outputs`') attached."""
+    masks = _with_gaps(kept, masks)
+    flat = [t if mask is None else _MaskAttached()(t, mask=mask)
+            for t, mask in zip(tree.flatten(y_pred), masks, strict=True)]
+    return tree.pack_sequence_as(y_pred, flat)
+
+
+def _masks_of(y_pred) -> list:
+    """The Keras mask of each flat output (None where it has none)."""
+    return [_jax.mask_of(t) for t in tree.flatten(y_pred)]
 
 
 class _MaskAttached(keras.layers.Layer):
@@ -124,48 +171,35 @@ class _MaskAttached(keras.layers.Layer):
         return inputs * 1  # a tensor of its own, which no mask was attached to before
 
 
-def _mask_model(model):
-    """A functional model from `model`'s inputs to the masks of its outputs
-    (`kept`: which flat outputs have one), or None where none has one."""
-    if model in _MASK_MODELS:
-        return _MASK_MODELS[model]
+def _mask_model(model, masked):
+    """A functional model from `model`'s inputs to the masks of its outputs (those
+    that `masked` says carry one), or None where there is none: `model` is not
+    functional, its symbolic outputs carry other masks than its calls (a nested
+    model's, which Keras does not carry to the outer symbolic outputs), or the
+    masks need weights (a `Masking` layer after a trained layer)."""
+    key = tuple(masked)
+    cached = _MASK_MODELS.setdefault(model, {})
+    if key not in cached:
+        cached[key] = _built_mask_model(model, masked)
+    return cached[key]
+
+
+def _built_mask_model(model, masked):
     if not isinstance(model, _keras.Functional):
-        makers = [layer.name for layer in _keras.sublayers(model) if _makes_masks(layer)]
-        if makers:
-            raise Refused(_masks_refused(f"layer(s) {makers} make masks in a subclassed model"))
         return None
-    # Keras does not carry a nested model's masks to the outer model's outputs: what a
-    # nested model masks would be counted as samples (a nested Sequential holding
-    # `Embedding(mask_zero=True)` logged 1.7% from plain Keras; the fuzzer's seed 350).
-    nested = [layer.name for inner in model.layers if isinstance(inner, keras.Model)
-              for layer in _keras.sublayers(inner) if _makes_masks(layer)]
-    if nested:
-        raise Refused(_masks_refused(f"layer(s) {nested} make masks in a nested model"))
+    # Keras does not carry the masks made inside a nested model to the outer model's
+    # symbolic outputs (a nested Sequential holding `Embedding(mask_zero=True)`: the
+    # fuzzer's seed 350): its calls carry them, and the counting pass counts them.
+    direct = {id(layer) for layer in model.layers}
+    if any(_makes_masks(layer) for layer in _keras.sublayers(model, include_self=False)
+           if id(layer) not in direct):
+        return None
     masks = [getattr(t, "_keras_mask", None) for t in tree.flatten(model.outputs)]
-    if all(mask is None for mask in masks):
-        _MASK_MODELS[model] = None
+    if [mask is not None for mask in masks] != list(masked):
         return None
     inputs = _keras.nested_inputs_outputs(model)[0]
     masks_model = keras.Model(inputs, [mask for mask in masks if mask is not None])
-    if masks_model.weights:
-        raise Refused(_masks_refused(
-            f"the masks of the outputs need the weights of layer(s) "
-            f"{[layer.name for layer in masks_model.layers if layer.weights]}"
-        ))
-    masks_model.kept = [mask is not None for mask in masks]
-    _MASK_MODELS[model] = masks_model
-    return masks_model
-
-
-def _masks_refused(found):
-    return (
-        "AccumulatingModel on JAX cannot yet split the loss of this output's mask: Keras "
-        "divides the loss by the unmasked elements of the whole batch, which the step "
-        "counts before the loop from a functional model's inputs. Build the model "
-        "functionally with the mask made from the inputs (`Embedding(mask_zero=True)`), "
-        "use the TensorFlow backend, or a micro-batch as large as the batch. "
-        f"Received: {found}"
-    )
+    return None if masks_model.weights else masks_model
 
 
 def _makes_masks(layer):

@@ -22,6 +22,9 @@ counts as it is where it sums over the samples, `n_i / N` of itself
 otherwise (`keras_memopt._step.jax_terms`, which finds which before the
 first step).
 
+Where a masked output's counts need it (`Counter.totals`), a forward pass over
+the micro-batches counts the batch's unmasked elements before the loop.
+
 What the loop changes besides the gradient: layers' non-trainable state
 (BatchNormalization's moving statistics, seed generators) is carried from
 one micro-batch to the next, so it advances once per micro-batch, in order,
@@ -45,9 +48,17 @@ from jax.experimental import sparse as jax_sparse
 from keras_memopt import _keras
 from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
-from keras_memopt._step import jax_terms, per_update
+from keras_memopt._step import jax_terms
 from keras_memopt._step import loop as _loop
-from keras_memopt._step.jax_fractions import Counter, Refused, batch_size_of, output_weights
+from keras_memopt._step.jax_calls import call_of, restarting
+from keras_memopt._step.jax_fractions import (
+    Counter,
+    Refused,
+    batch_size_of,
+    masked_outputs,
+    output_weights,
+    with_masks,
+)
 from keras_memopt._step.seen import (
     NEGLIGIBLE,
     Seen,
@@ -181,15 +192,17 @@ def train_step(model, micro_batch_size, state, data):
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     split = Split(micro_batch_size, batch_size_of(x))
+    restart = restarting(model, non_trainable)
     counter = Counter(model, y)
-    counts = counter.totals(x, y)
+    counts = counter.totals((x, y, sample_weight), call_of(model, trainable, True, restart),
+                            non_trainable, split)
     grad_fn = jax.value_and_grad(_micro_loss, argnums=1, has_aux=True)
-    restarted, start = _restarted(model), non_trainable
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        non_trainable = [start[i] if i in restarted else t for i, t in enumerate(non_trainable)]
-        fractions = counter.fractions(xs, ys, batch_size_of(xs) / split.size, counts)
+        non_trainable = restart(non_trainable)
+        fractions = functools.partial(
+            counter.fractions, ys, samples=batch_size_of(xs) / split.size, totals=counts)
         (_, aux), grads = grad_fn(
             model, trainable, non_trainable, metrics_variables, optimizer_variables,
             xs, ys, ws, fractions,
@@ -218,26 +231,30 @@ def test_step(model, micro_batch_size, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     split = Split(micro_batch_size, batch_size_of(x))
     counter = Counter(model, y)
-    counts = counter.totals(x, y)
+    counts = counter.totals((x, y, sample_weight), call_of(model, trainable, False),
+                            non_trainable, split)
+    kept = []
 
     def micro(non_trainable, part):
         xs, ys, ws = part
-        fractions = counter.fractions(xs, ys, batch_size_of(xs) / split.size, counts)
+        fractions = functools.partial(
+            counter.fractions, ys, samples=batch_size_of(xs) / split.size, totals=counts)
         _, (loss, y_pred, non_trainable, trackers) = _micro_loss(
             model, trainable, non_trainable, metrics_variables, None,
             xs, ys, ws, fractions,
         )
-        return non_trainable, (loss, trackers), y_pred
+        masks, kept[:] = masked_outputs(y_pred)
+        return non_trainable, (loss, trackers), (y_pred, masks)
 
     zeros = zero_parts(model, trainable)[1:]
-    (loss, trackers), non_trainable, y_pred = split.run(
+    (loss, trackers), non_trainable, (y_pred, masks) = split.run(
         micro, zeros, non_trainable, (x, y, sample_weight)
     )
     metrics_variables = _set_loss_trackers(model, metrics_variables, trackers, split.size)
     # Keras's own test step hands the metrics the outputs with their masks (its
     # train step, through `jax.value_and_grad`'s outputs, without).
     logs, metrics_variables = _jax.update_metrics(
-        model, metrics_variables, loss, x, y, counter.with_masks(x, y_pred), sample_weight
+        model, metrics_variables, loss, x, y, with_masks(y_pred, masks, kept), sample_weight
     )
     return logs, (trainable, non_trainable, metrics_variables)
 
@@ -247,10 +264,10 @@ def predict_step(model, micro_batch_size, state, data):
     trainable, non_trainable = state
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     split = Split(micro_batch_size, batch_size_of(x))
-    kwargs = {"training": False} if _keras.calls_with_training(model) else {}
+    call = call_of(model, trainable, False)
 
     def micro(non_trainable, xs):
-        outputs, non_trainable = model.stateless_call(trainable, non_trainable, xs, **kwargs)
+        outputs, non_trainable = call(non_trainable, xs)
         return non_trainable, (), outputs
 
     _, non_trainable, outputs = split.run(micro, (), non_trainable, x)
@@ -285,10 +302,11 @@ def check_loss_split(model, state, data):
     for start in pair_starts(batch_size_of(x)) if y is not None else ():
         pair = jax_terms.rows_of((x, y, sample_weight), lambda t, at=start: t[at : at + 2])
         counter = Counter(model, pair[1])
-        counts = counter.totals(*pair[:2])
+        counts = counter.totals(pair, call_of(model, trainable, False), non_trainable)
 
         def loss(part, samples, counter=counter, counts=counts):
-            fractions = counter.fractions(*part[:2], samples, counts)
+            fractions = functools.partial(counter.fractions, part[1], samples=samples,
+                                          totals=counts)
             return float(_micro_loss(model, trainable, non_trainable, metrics_variables, None,
                                      *part, fractions)[0])
 
@@ -310,12 +328,14 @@ def _micro_loss(model, trainable, non_trainable, metrics_variables, optimizer_va
                 x, y, sample_weight, fractions):
     """A micro-batch's fraction of the batch's loss (scaled as the optimizer scales it)
     and `(unscaled, y_pred, non_trainable, trackers)`: Keras's
-    `compute_loss_and_updates` with the fraction in the sample weights and the terms."""
+    `compute_loss_and_updates` with the fraction (`fractions(y_pred)`: a `Fractions`
+    from the outputs, which carry their masks) in the sample weights and the terms."""
     training = optimizer_variables is not None  # None: `evaluate`'s step
     kwargs = {"training": training} if _keras.calls_with_training(model) else {}
     y_pred, non_trainable, losses = _jax.stateless_call_with_losses(
         model, trainable, non_trainable, x, **kwargs
     )
+    fractions = fractions(y_pred)
     weights = output_weights(y_pred, sample_weight, fractions)
     terms = jax_terms.weighted(model, losses, fractions.samples)
     with _jax.losses_replaced(model, terms) if terms else contextlib.nullcontext():
@@ -409,17 +429,6 @@ def batch_sharded(data, axis=0):
         return keras.distribution.distribute_tensor(t, layout)
 
     return tree.map_structure(place, data)
-
-
-def _restarted(model) -> set:
-    """The indices in `model.non_trainable_variables` of the state a training call
-    sets whatever the batch (`per_update.call_assigned_weights`: a
-    `SpectralNormalization`'s `vector_u`, one power iteration from the step's value):
-    every micro-batch starts from the step's value, so the step ends where one call
-    on the whole batch ends, as on the TensorFlow line. Carried over, it advanced
-    once per micro-batch (9.7e-3 from plain Keras: the fuzzer's seed 18 on JAX)."""
-    assigned = {id(v) for v in per_update.call_assigned_weights(model)}
-    return {i for i, v in enumerate(model.non_trainable_variables) if id(v) in assigned}
 
 
 def _summed(totals, parts):

@@ -9,8 +9,8 @@ micro-batches):
    kept and its part of the terms of `model.losses` (`jax_terms.weighted`: a
    sum over the samples as it is, any other `n_i / N` of itself) summed;
 2. the loss once, Keras's `stateless_compute_loss` on the whole batch's outputs
-   (float16 and bfloat16 outputs cast to float32 first; the outputs' Keras masks
-   attached as `jax_step` counts them) with those terms, and its gradient with
+   (float16 and bfloat16 outputs cast to float32 first; the Keras masks the
+   micro-batches' outputs carried attached) with those terms, and its gradient with
    respect to the outputs (`jax.value_and_grad`). Keras's cross-entropies on JAX
    read a softmax or sigmoid output itself, not the logits behind it (a traced
    array keeps no `_keras_logits`): the outputs are all the loss reads;
@@ -39,7 +39,7 @@ from keras_memopt import _keras
 from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._step import jax_step, jax_terms, per_update
-from keras_memopt._step.jax_fractions import Counter, Refused
+from keras_memopt._step.jax_fractions import Refused, masked_outputs, with_masks
 
 tree = keras.tree
 
@@ -51,11 +51,12 @@ def train_step(model, micro_batch_size, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     _refuse_call_assigned(model)
     split = jax_step.Split(micro_batch_size, jax_step.batch_size_of(x))
-    y_pred, penalty, after = _outputs(model, split, trainable, non_trainable, x, training=True)
+    y_pred, penalty, after, masks = _outputs(model, split, trainable, non_trainable, x,
+                                             training=True)
     floating = _floating(y_pred)
 
     def loss_of(values):
-        outputs = _replaced(y_pred, floating, values)
+        outputs = with_masks(_replaced(y_pred, floating, values), *masks)
         return _loss(model, (trainable, after, metrics_variables), x, y, outputs,
                      sample_weight, penalty, training=True)
 
@@ -80,22 +81,24 @@ def test_step(model, micro_batch_size, state, data):
     trainable, non_trainable, metrics_variables = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     split = jax_step.Split(micro_batch_size, jax_step.batch_size_of(x))
-    y_pred, penalty, after = _outputs(model, split, trainable, non_trainable, x, training=False)
+    y_pred, penalty, after, masks = _outputs(model, split, trainable, non_trainable, x,
+                                             training=False)
+    y_pred = with_masks(y_pred, *masks)
     loss, metrics_variables = _loss(model, (trainable, after, metrics_variables), x, y,
                                     y_pred, sample_weight, penalty, training=False)
     logs, metrics_variables = _jax.update_metrics(
-        model, metrics_variables, loss, x, y, Counter(model, y).with_masks(x, y_pred),
-        sample_weight,
-    )
+        model, metrics_variables, loss, x, y, y_pred, sample_weight
+    )  # with their masks, as Keras's test step hands them
     return logs, (trainable, after, metrics_variables)
 
 
 def _outputs(model, split, trainable, non_trainable, x, training):
-    """Step 1: `(outputs, penalty, non_trainable)`, the whole batch's outputs in
-    order, its share of the terms of `model.losses` summed (None where the model
-    adds none), and the state after the last micro-batch."""
+    """Step 1: `(outputs, penalty, non_trainable, masks)`, the whole batch's outputs
+    in order, its share of the terms of `model.losses` summed (None where the model
+    adds none), the state after the last micro-batch, and the Keras masks the
+    outputs carried (`with_masks(outputs, *masks)` attaches them)."""
     kwargs = {"training": training} if _keras.calls_with_training(model) else {}
-    counted = []
+    counted, kept = [], []
 
     def first(non_trainable, xs):
         y_pred, non_trainable, losses = _jax.stateless_call_with_losses(
@@ -103,18 +106,18 @@ def _outputs(model, split, trainable, non_trainable, x, training):
         )
         counted[:] = [len(losses)]
         fraction = jax_step.batch_size_of(xs) / split.size
-        return non_trainable, _summed_terms(model, losses, fraction), y_pred
+        masks, kept[:] = masked_outputs(y_pred)
+        return non_trainable, _summed_terms(model, losses, fraction), (y_pred, masks)
 
     zero = jnp.zeros([], _wide_dtype(keras.backend.floatx()))
-    penalty, after, y_pred = split.run(first, zero, non_trainable, x)
-    return y_pred, penalty if counted[0] else None, after
+    penalty, after, (y_pred, masks) = split.run(first, zero, non_trainable, x)
+    return y_pred, penalty if counted[0] else None, after, (masks, kept)
 
 
 def _loss(model, state, x, y, y_pred, sample_weight, penalty, training):
     """Step 2: `(loss, metrics_variables)`, Keras's loss of the whole batch's outputs
-    `y_pred` (their masks attached) with `penalty` as the terms of `model.losses`."""
+    `y_pred` (their masks attached by the caller) with `penalty` as the terms of `model.losses`."""
     trainable, non_trainable, metrics_variables = state
-    y_pred = Counter(model, y).with_masks(x, y_pred)
     terms = [] if penalty is None else [penalty]
     with _jax.losses_replaced(model, terms) if terms else contextlib.nullcontext():
         loss, (_, _, metrics_variables) = model.stateless_compute_loss(
