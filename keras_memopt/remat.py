@@ -105,12 +105,23 @@ class Remat(keras.layers.Wrapper):
         return recompute(self.layer, self.layer, args, kwargs)
 
     def compute_mask(self, inputs, mask=None):
-        if _keras.BACKEND == "jax" and self.layer.built:
-            # Keras puts them on the outputs, as for the wrapped layer's own call.
-            return self.layer.compute_mask(inputs, mask)
+        if _keras.BACKEND == "jax" and self.layer.built and _symbolic(inputs):
+            # A functional model being built: its symbolic outputs take the wrapped layer's
+            # masks. Keras hands `call`'s positional arguments as one tuple.
+            return self.layer.compute_mask(_single(inputs), _single(mask))
         # `call` attaches the wrapped layer's output masks; where it attached none there are none
-        # (on tf_keras, asking a wrapped model would run its forward pass once more).
+        # (on tf_keras, asking a wrapped model would run its forward pass once more; on JAX, a
+        # nested model's default passes its input's mask on, where its call gave its own).
         return None
+
+
+def _symbolic(inputs) -> bool:
+    return any(isinstance(t, keras.KerasTensor) for t in tf.nest.flatten(inputs))
+
+
+def _single(args):
+    """The one positional argument of `args` (a tuple or list of one), or `args`."""
+    return args[0] if isinstance(args, (tuple, list)) and len(args) == 1 else args
 
 
 def validate_remat(remat):

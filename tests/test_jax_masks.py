@@ -11,7 +11,8 @@ token counts uneven over the micro-batches (one holds none), and `evaluate`.
 Dropout and BatchNormalization at micro-batches have no plain-Keras oracle: the
 subclassed model is compared with its functional twin, whose mask comes from
 the inputs (no counting pass), itself tested against plain Keras in
-tests/test_jax.py.
+tests/test_jax.py. Masks made or dropped inside recomputed calls (`Remat`,
+`remat=`: `jax.checkpoint`) reach the loss as without recomputation.
 """
 
 import numpy as np
@@ -28,7 +29,7 @@ if BACKEND == "jax":
 
     jax.config.update("jax_enable_x64", True)
 
-    from keras_memopt import AccumulatingModel
+    from keras_memopt import AccumulatingModel, Remat
 
 layers = keras.layers
 TOLERANCE = dict(rtol=1e-9, atol=1e-9)
@@ -191,3 +192,83 @@ class TestTheCountingPassLeavesTheState:
         assert_same_weights(ours, twin, TOLERANCE)
         seeds = [v for v in ours.non_trainable_variables if "seed" in v.path]
         assert seeds and not np.array_equal(seeds[0].numpy(), [8, 0])  # drawn from in training
+
+
+def _recomputed(cls, **split):
+    """A subclassed tagger whose recomputed blocks (`Remat`, in the `AccumulatingModel`
+    only) make the mask (a Sequential holding the masked Embedding) and read it (a GRU)."""
+    keras.utils.set_random_seed(6)
+    wrap = Remat if cls is AccumulatingModel else (lambda layer: layer)
+
+    class Tagger(cls):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.backbone = wrap(keras.Sequential([layers.Embedding(20, 4, mask_zero=True),
+                                                   layers.Dense(5, activation="tanh")]))
+            self.gru = wrap(layers.GRU(4, return_sequences=True))
+            self.head = layers.Dense(3)
+
+        def call(self, tokens):
+            return self.head(self.gru(self.backbone(tokens)))
+
+    model = Tagger(**split)
+    model(np.zeros((1, LENGTH), "int64"))
+    return model
+
+
+def _segmented(cls, **split):
+    """A functional tagger cut (`remat=`, in the `AccumulatingModel` only) after a nested
+    Sequential that makes the mask and after a GRU that reads it: both recomputed."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((LENGTH,), dtype="int64")
+    backbone = keras.Sequential([layers.Embedding(20, 4, mask_zero=True),
+                                 layers.Dense(5, activation="tanh")], name="backbone")
+    hidden = layers.GRU(4, return_sequences=True, name="gru")(backbone(inputs))
+    if cls is AccumulatingModel:
+        split = dict(split, remat=["backbone", "gru"])
+    return cls(inputs, layers.Dense(3)(hidden), **split)
+
+
+def _mask_dropped(cls, **split):
+    """A sequence classifier: a recomputed segment makes the mask (a nested Sequential
+    holding the masked Embedding), the next drops it (a GRU's last state), so no mask
+    reaches the loss."""
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((LENGTH,), dtype="int64")
+    backbone = keras.Sequential([layers.Embedding(20, 4, mask_zero=True),
+                                 layers.Dense(5, activation="tanh")], name="backbone")
+    hidden = layers.GRU(4, name="gru")(backbone(inputs))
+    if cls is AccumulatingModel:
+        split = dict(split, remat=["backbone", "gru"])
+    return cls(inputs, layers.Dense(3)(hidden), **split)
+
+
+class TestThroughRecomputation:
+    # A mask made inside a recomputed segment (`jax.checkpoint`) reaches the loss as
+    # without recomputation; plain Keras, without it, is the oracle.
+    @pytest.mark.parametrize("build", [_recomputed, _segmented])
+    def test_a_mask_made_in_a_recomputed_segment(self, build):
+        x, y, weights = _tokens(16)
+        _assert_as_plain_keras(build, x, y, weights)
+
+    def test_a_mask_dropped_in_a_recomputed_segment(self):
+        x, _, _ = _tokens(17)
+        y = np.random.default_rng(17).integers(0, 3, SAMPLES)
+        _assert_as_plain_keras(_mask_dropped, x, y, None)
+
+    def test_a_recomputed_masking_layer_of_the_inputs(self):
+        # Built symbolically, the output's mask is the wrapped layer's, one per time step:
+        # the functional model of the inputs that counts it is built from it.
+        rng = np.random.default_rng(18)
+        x = rng.normal(size=(SAMPLES, LENGTH, 4)) * (rng.random((SAMPLES, LENGTH, 1)) < 0.7)
+        y = rng.integers(0, 3, (SAMPLES, LENGTH))
+        _assert_as_plain_keras(_masking_first, x, y, rng.uniform(0.1, 2.0, y.shape))
+
+
+def _masking_first(cls, **split):
+    keras.utils.set_random_seed(9)
+    wrap = Remat if cls is AccumulatingModel else (lambda layer: layer)
+    inputs = keras.Input((LENGTH, 4))
+    hidden = wrap(layers.Masking(0.0))(inputs)
+    hidden = wrap(layers.GRU(4, return_sequences=True))(hidden)
+    return cls(inputs, layers.Dense(3)(hidden), **split)

@@ -63,3 +63,11 @@ def mask_of(tensor):
     from keras.src.backend import get_keras_mask
 
     return get_keras_mask(tensor)
+
+
+def with_mask(tensor, mask):
+    """Attaches the Keras mask `mask` to the JAX array `tensor` (a traced one by its
+    id, as Keras's layers attach theirs)."""
+    from keras.src.backend import set_keras_mask
+
+    set_keras_mask(tensor, mask)

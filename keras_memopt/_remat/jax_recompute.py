@@ -14,6 +14,13 @@ Exact by construction: JAX keeps only the inputs for the backward pass and
 replays the same computation from them there, so the recomputation draws
 the same dropout masks (the seed states are inputs) and its state updates
 are not seen (they are outputs of the forward pass only, assigned once).
+Keras masks cross the checkpoint the same way: Keras attaches a mask to a
+traced array by the array's id, and the arrays inside are the checkpoint's
+own, so the masks the arguments carry go in as inputs and are attached
+inside, and those the call gives its outputs come out as outputs and are
+attached to the outputs outside (a segment's `Embedding(mask_zero=True)`,
+an `LSTM` that drops its input's mask): what reaches the loss is what the
+call without recomputation gives.
 
 Why not `keras.remat` or `keras.RematScope`: on JAX they wrap the layer's
 `call` in `jax.checkpoint` as it is, so `training=True` reaches it as a traced
@@ -27,6 +34,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from keras_memopt._keras import jax as _jax
 from keras_memopt._keras import keras
 from keras_memopt._step.jax_fractions import Refused
 
@@ -48,9 +56,11 @@ def recompute(layer, args, kwargs):
     leaves, structure = jax.tree_util.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
 
-    def pure(values, arrays):
+    def pure(values, arrays, masks):
         bound = list(leaves)
-        for position, array in zip(positions, arrays, strict=True):
+        for position, array, mask in zip(positions, arrays, masks, strict=True):
+            if mask is not None:
+                _jax.with_mask(array, mask)
             bound[position] = array
         call_args, call_kwargs = jax.tree_util.tree_unflatten(structure, bound)
         mapping = list(zip(variables, values, strict=True))
@@ -64,10 +74,17 @@ def recompute(layer, args, kwargs):
                 "`Remat`), or add the term to the model's loss instead. Received: "
                 f"{len(scope.losses)} loss term(s) added in layer {layer.name!r}"
             )
-        return outputs, [scope.get_current_value(v) for v in state]
+        masks = [_jax.mask_of(t) for t in jax.tree_util.tree_leaves(outputs)]
+        return outputs, masks, [scope.get_current_value(v) for v in state]
 
     values = [v.value for v in variables]
-    outputs, updated = jax.checkpoint(pure)(values, [leaves[i] for i in positions])
+    arrays = [leaves[i] for i in positions]
+    outputs, masks, updated = jax.checkpoint(pure)(
+        values, arrays, [_jax.mask_of(array) for array in arrays]
+    )
     for variable, value in zip(state, updated, strict=True):
         variable.assign(value)
+    for tensor, mask in zip(jax.tree_util.tree_leaves(outputs), masks, strict=True):
+        if mask is not None:
+            _jax.with_mask(tensor, mask)
     return outputs
