@@ -563,8 +563,8 @@ class TestSegments:
             keras.mixed_precision.set_global_policy("float32")
         _assert_same_state(plain, model)
 
-    @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
-    def test_peak_memory_falls(self, jit_compile):
+    def test_peak_memory_falls_under_xla(self):
+        # Without XLA: `test_setter_takes_effect_at_the_next_step`, built with it.
         x = np.random.RandomState(0).rand(2048, 16).astype("float32")
         y = np.zeros(2048, "int64")
         peaks = {}
@@ -574,7 +574,7 @@ class TestSegments:
             model.compile(
                 "sgd",
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=jit_compile,
+                jit_compile=True,
             )
             peaks[remat] = peak_bytes_of_fit(model, x, y, 2048, lowest_of=3)
         # Measured 0.24-0.85 over runs (the peak moves with TensorFlow's
@@ -599,10 +599,11 @@ class TestSegments:
 
     @pytest.mark.slow
     def test_setter_takes_effect_at_the_next_step(self):
-        """Setting `remat` on a model that has trained lowers the next step's peak."""
+        """Built with `remat="auto"` or set on a model that has trained, the step's peak falls."""
         # In a fresh process: in the tests' shared one, what earlier tests left
         # in the allocator moved these peaks (one CI run on tf_keras: 18.38 MiB
-        # after the change against 19.99 without).
+        # after the change against 19.99 without). The lowest of three steps
+        # each: the peak moves with TensorFlow's parallel scheduling.
         output = run_python(
             """
             import json, sys
@@ -620,15 +621,15 @@ class TestSegments:
                 model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
                 return model
 
-            peaks = dict(built_with=peak_bytes_of_fit(build("auto"), x, y, 2048))
+            peaks = dict(built_with=peak_bytes_of_fit(build("auto"), x, y, 2048, lowest_of=3))
             model = build(None)
-            peaks["without"] = peak_bytes_of_fit(model, x, y, 2048)
+            peaks["without"] = peak_bytes_of_fit(model, x, y, 2048, lowest_of=3)
             model.remat = "auto"
             peaks["segments"] = len(model.recomputed_segments)
-            peaks["set_after"] = peak_bytes_of_fit(model, x, y, 2048)
+            peaks["set_after"] = peak_bytes_of_fit(model, x, y, 2048, lowest_of=3)
             model.remat = None
             peaks["segments_unset"] = len(model.recomputed_segments)
-            peaks["unset"] = peak_bytes_of_fit(model, x, y, 2048)
+            peaks["unset"] = peak_bytes_of_fit(model, x, y, 2048, lowest_of=3)
             print(json.dumps(peaks))
             """
         )
@@ -639,6 +640,7 @@ class TestSegments:
         # with it); now the change is the same as building with it (fresh
         # processes: 14.4 to 17.9 MB after the change, 13.9 to 16.9 built with
         # it, 19.8 to 23.9 without, on both Keras lines).
+        assert peaks["built_with"] < 0.9 * peaks["without"], peaks
         assert peaks["set_after"] < 0.9 * peaks["without"], peaks
         assert peaks["unset"] > 1.1 * peaks["set_after"], peaks
 
@@ -667,12 +669,14 @@ class TestSegments:
         assert waits == [False, True], [(op.name, w) for op, w in zip(lookups, waits, strict=True)]
 
     @pytest.mark.slow
+    @pytest.mark.skipif(LEGACY, reason="tf_keras's peaks show no difference to assert (below); "
+                        "the traced step's order above is checked on both lines")
     def test_a_segment_that_starts_with_integer_inputs_is_not_kept_from_the_forward_pass(self):
         # The same, measured: when the recomputation ran during the forward
         # pass, the step peaked at 50.7 MiB against 42.8 without recomputation
-        # on Keras 3 (on tf_keras 51.9 against 52.2: no difference to read).
-        # In a fresh process: what earlier tests left in the allocator moves
-        # its peaks.
+        # on Keras 3 (on tf_keras 51.9 against 52.2: no difference to read, so
+        # there it asserted nothing and is not run). In a fresh process: what
+        # earlier tests left in the allocator moves its peaks.
         output = run_python(
             """
             import numpy as np
@@ -707,8 +711,7 @@ class TestSegments:
         # moves between processes (measured with one inter-op thread: 32.4 to
         # 44.3 MiB recomputed against 43.0 without on Keras 3, 35.9 to 51.9
         # against 45.0 on tf_keras): below the forward-pass figure, not below none.
-        if not LEGACY:
-            assert cut < 1.1 * without, (cut, without)
+        assert cut < 1.1 * without, (cut, without)
 
 
 class PostNormBlock(layers.Layer):
@@ -765,7 +768,14 @@ def _family(name, form, micro_batch_size=64):
 
 class TestAutoAgainstTheObviousChoices:
     @pytest.mark.slow
-    @pytest.mark.parametrize("family", ["cnn", "transformer"])
+    @pytest.mark.parametrize("family", [
+        "cnn",
+        # On tf_keras auto's cuts of the transformer are checked to be those of one
+        # `Remat` per block, its lookup kept (below): the measurement, 12 CPU-s there,
+        # would compare nearly the same step. Keras 3 measures it.
+        pytest.param("transformer", marks=pytest.mark.skipif(
+            LEGACY, reason="its cuts are checked as per block's on tf_keras")),
+    ])
     def test_auto_is_no_worse_than_none_or_a_remat_per_block(self, family):
         # One op at a time, the order the estimate plays, in a fresh process:
         # with TensorFlow's default threading, filter gradients run beside
@@ -798,7 +808,12 @@ class TestAutoAgainstTheObviousChoices:
         assert peaks["auto"] <= MARGIN * min(peaks["none"], peaks["per block"]), peaks
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("activation", ["gelu", "silu"])
+    @pytest.mark.parametrize("activation", [
+        "gelu",
+        # One activation per line past the first: the estimate reads the traced step of
+        # the line in use, which the GELU stack exercises on both.
+        pytest.param("silu", marks=pytest.mark.skipif(LEGACY, reason="GELU's stack on tf_keras")),
+    ])
     def test_auto_follows_the_measured_step_peaks_of_a_dense_stack(self, activation):
         # Issue 55: on a GELU stack auto estimated none at half its measured
         # peak (it counted every gradient kept to the end of the step, where
