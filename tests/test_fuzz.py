@@ -82,15 +82,14 @@ def case(**changes):
 
 # Every case the fuzzer found failing, made by hand from what it drew.
 FOUND = {
-    # fit and evaluate raised a TypeError in the loss's sample weights.
-    "per-output-sample-weights-as-a-dict": case(
-        outputs="dict", heads=TWO, sample_weight="output_dict"
-    ),
     # Stacked into one (2, n) tensor: trained silently wrong.
     "per-output-sample-weights-as-a-list": case(
         outputs="list", heads=TWO, sample_weight="output_list"
     ),
-    # `from_model` lost the dict of outputs: a KeyError where Keras matched the weights.
+    # Per-output sample weights as a dict: fit and evaluate raised a TypeError in the
+    # loss's sample weights (found on the functional model, whose train step `from_model`'s
+    # wrapper runs too); and `from_model` lost the dict of outputs: a KeyError where Keras
+    # matched the weights.
     "from-model-per-output-weights-and-loss-weights": case(
         build="from_model", outputs="dict", heads=TWO, sample_weight="output_dict",
         loss_weights=True,
@@ -220,8 +219,29 @@ FOUND = {
 KNOWN = {"ignore-class-in-a-dict-of-losses-of-a-subclassed-model"} if LEGACY else set()
 
 
+# A bug one Keras line's own code made, run on that line only (4 to 5 CPU-s a case): on
+# the other it is one more drawn case, whose parts meet there too: run eagerly with two
+# outputs, and one sample a replica eagerly (tests/test_exactness.py, both lines); a
+# clipped sparse gradient under a strategy and `predict` with steps_per_execution (the
+# Keras 3 sample's seeds draw both); class weights (tests/test_exactness.py's `cnn-class-weight`).
+ONE_LINE = {
+    "predict-with-steps-per-execution": "tf_keras",
+    "per-output-losses-run-eagerly": "keras3",
+    "one-sample-per-replica-run-eagerly": "keras3",
+    "clipped-embedding-gradient-under-a-strategy": "tf_keras",
+    "class-weights-with-a-dataset": "keras3",
+}
+
+
 @tensorflow_only
-@pytest.mark.parametrize("name", sorted(FOUND))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.skipif(
+        ONE_LINE.get(name, "tf_keras" if LEGACY else "keras3") != (
+            "tf_keras" if LEGACY else "keras3"),
+        reason=f"{ONE_LINE.get(name)}'s bug: run on that line",
+    ))
+    for name in sorted(FOUND)
+])
 def test_found_case_matches_plain_keras(name, request):
     if name in KNOWN:
         reason = "tf_keras: an ignore_class loss is NaN on a micro-batch of ignored targets"
