@@ -3,7 +3,10 @@
 The model is a two-tower CLIP-style encoder whose loss uses every other row
 of the batch as negatives. Plain Keras on the whole batch is the oracle:
 weights after two epochs of Adam, every logged figure and `evaluate`, with
-uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8).
+uneven micro-batches (48 samples a batch, micro-batches of 20, 20 and 8). That
+losses of the outputs alone stay exact with the option too (masks, ignored classes,
+several outputs, sample weights) tests/test_exactness.py checks on four of its cases,
+against the plain Keras run it trains for them anyway.
 """
 
 
@@ -164,17 +167,6 @@ def test_the_second_pass_replays_the_first_passs_randomness():
         )
 
     _assert_same(_fit(build(), loss=mse), _fit(build(whole_batch_loss=True), loss=mse))
-
-
-@pytest.mark.parametrize(
-    "name", ["tickets-rmsprop", "rnn-tagger-adam", "mlp-sample-weight", "tagger-ignore-class-sgd"]
-)
-def test_per_sample_losses_stay_exact(name):
-    """Any loss of the outputs is exact: masks, ignored classes, multi-output,
-    loss weights, sample weights, regularisers, against plain Keras."""
-    case = CASES[name]
-    received = _train(case, AccumulatingModel, whole_batch_loss=True, **case.micro)
-    assert_same_training(_train(case, keras.Model), received)
 
 
 @pytest.mark.skipif(LEGACY, reason="tf_keras has no 'mean_with_sample_weight' reduction")
