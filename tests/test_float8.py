@@ -18,6 +18,7 @@ turns such a difference into a step of a quarter (3.7% on a bias after one SGD s
 import numpy as np
 import pytest
 from _faults import OutOfMemoryOnce
+from _fuzz import float64
 from _helpers import FLOAT64, assert_same_logs, classification_data, compile_classifier
 
 from keras_memopt import AccumulatingModel, Remat
@@ -71,13 +72,28 @@ def _assert_same(expected, received):
     assert_same_logs(eval_b, eval_a, figures)
 
 
+# Plain Keras's float8 run of `_model`, on one device and under the strategy: what
+# several tests compare against, trained once a module (a process). In float64 itself:
+# a module's fixture is set up before the tests' `float64_keras`.
+@pytest.fixture(scope="module")
+def plain():
+    with float64():
+        return _fit(_model(keras.Model))
+
+
+@pytest.fixture(scope="module")
+def plain_mirrored(mirrored_strategy):
+    with float64():
+        with mirrored_strategy.scope():
+            model = _model(keras.Model)
+        return _fit(model)
+
+
 @pytest.mark.parametrize("options", [{}, {"whole_batch_loss": True}], ids=["micro", "whole"])
-def test_float8_training_matches_plain_keras(options):
+def test_float8_training_matches_plain_keras(options, plain):
     """Micro-batches of 6 (6, 6, 6, 2 per batch of 20): every variable, the scales
     and amax histories too, and every logged figure, after four updates."""
-    _assert_same(
-        _fit(_model(keras.Model)), _fit(_model(AccumulatingModel, micro_batch_size=6, **options))
-    )
+    _assert_same(plain, _fit(_model(AccumulatingModel, micro_batch_size=6, **options)))
 
 
 def test_float8_training_with_an_activity_regularizer_matches_plain_keras():
@@ -106,22 +122,23 @@ class Custom(AccumulatingModel):
         return {"loss": loss}
 
 
-def test_float8_training_in_a_custom_step_matches_plain_keras():
-    plain, custom = _fit(_model(keras.Model))[0], _fit(_model(Custom, micro_batch_size=6))[0]
-    _assert_same_variables(plain, custom)
+def test_float8_training_in_a_custom_step_matches_plain_keras(plain):
+    _assert_same_variables(plain[0], _fit(_model(Custom, micro_batch_size=6))[0])
 
 
-def test_float8_training_under_mirrored_strategy_matches_plain_keras(mirrored_strategy):
+def test_float8_training_under_mirrored_strategy_matches_plain_keras(
+    mirrored_strategy, plain_mirrored
+):
     """Each replica folds its micro-batches' values by their maximum; the optimizer
     takes the replicas' values as in plain Keras."""
     with mirrored_strategy.scope():
-        plain, accumulating = _model(keras.Model), _model(AccumulatingModel, micro_batch_size=3)
-    _assert_same(_fit(plain), _fit(accumulating))
+        accumulating = _model(AccumulatingModel, micro_batch_size=3)
+    _assert_same(plain_mirrored, _fit(accumulating))
 
 
 @pytest.mark.parametrize("cls", [AccumulatingModel, Custom], ids=["usual", "custom"])
 def test_float8_training_under_mirrored_strategy_after_one_replica_ran_out_of_memory(
-    cls, mirrored_strategy
+    cls, mirrored_strategy, plain_mirrored
 ):
     """Replica 1 runs out of memory in its second micro-batch while replica 0 goes on:
     Keras assigns the float8 variables in each replica's context, before the
@@ -131,10 +148,9 @@ def test_float8_training_under_mirrored_strategy_after_one_replica_ran_out_of_me
     update cannot be held back so: the retry puts back every variable it may change."""
     fault = OutOfMemoryOnce(at=2, replica=1, delay=1.0, training_only=True)
     with mirrored_strategy.scope():
-        plain = _model(keras.Model)
         accumulating = _model(cls, fault=fault, micro_batch_size=3)
     backoff = OOMBackoff(verbose=0)
-    expected, received = _fit(plain), _fit(accumulating, [backoff])
+    expected, received = plain_mirrored, _fit(accumulating, [backoff])
     assert fault.raised == 1
     assert [(b["phase"], b["micro_batch_size"]) for b in backoff.backoffs] == [("micro_batch", 1)]
     if cls is Custom:  # its own logs: the loss
