@@ -211,12 +211,24 @@ def _fit_distiller(cls, strategy=None, **kwargs):
 MICRO = dict(micro_batch_size=5)
 
 
-class TestAccumulateGradients:
-    def test_gan_with_two_optimizers_matches_the_whole_batch(self):
-        _assert_same(_fit_gan(PlainGAN), _fit_gan(AccumulatingGAN, **MICRO))
+# Plain Keras's runs that several tests compare against, each trained once a module
+# (a process): seeded, read and never trained further.
+@pytest.fixture(scope="module")
+def plain_gan():
+    return _fit_gan(PlainGAN)
 
-    def test_distillation_matches_the_whole_batch(self):
-        _assert_same(_fit_distiller(PlainDistiller), _fit_distiller(AccumulatingDistiller, **MICRO))
+
+@pytest.fixture(scope="module")
+def plain_distiller():
+    return _fit_distiller(PlainDistiller)
+
+
+class TestAccumulateGradients:
+    def test_gan_with_two_optimizers_matches_the_whole_batch(self, plain_gan):
+        _assert_same(plain_gan, _fit_gan(AccumulatingGAN, **MICRO))
+
+    def test_distillation_matches_the_whole_batch(self, plain_distiller):
+        _assert_same(plain_distiller, _fit_distiller(AccumulatingDistiller, **MICRO))
 
     @pytest.mark.skipif(
         LEGACY,
@@ -228,7 +240,7 @@ class TestAccumulateGradients:
         plain = _fit_distiller(PlainDistiller, mirrored_strategy)
         _assert_same(plain, _fit_distiller(AccumulatingDistiller, mirrored_strategy, **MICRO))
 
-    def test_a_failed_step_puts_back_every_optimizer_it_updated(self):
+    def test_a_failed_step_puts_back_every_optimizer_it_updated(self, plain_gan):
         """Out of memory in the generator's pass, after the discriminator's update:
         the retried step starts from the discriminator and its optimizer as they were."""
 
@@ -243,11 +255,10 @@ class TestAccumulateGradients:
         backoff = OOMBackoff(verbose=0)
         model, logs = _fit_gan(FailingGenerator, callbacks=[backoff], **MICRO)
         assert model.fault.raised == 1 and model.micro_batch_size <= 3
-        plain = _fit_gan(PlainGAN)
-        _assert_same(plain, (model, logs))
+        _assert_same(plain_gan, (model, logs))
         for optimizer in ("d_optimizer", "g_optimizer"):
             assert int(getattr(model, optimizer).iterations) == int(
-                getattr(plain[0], optimizer).iterations
+                getattr(plain_gan[0], optimizer).iterations
             )
 
     def test_an_update_before_the_first_split_is_not_made_twice(self):
@@ -417,13 +428,13 @@ class TestCoupledLoss:
         assert_same_weights(before, model, IDENTICAL)
         assert int(model.optimizer.iterations) == 0
 
-    def test_a_step_that_splits_nothing_is_not_run_before_its_first_step(self):
+    def test_a_step_that_splits_nothing_is_not_run_before_its_first_step(self, plain_distiller):
         """Its updates would not be put back: it is left alone (and warned about)."""
 
         class Whole(PlainDistiller, AccumulatingModel):
             pass
 
-        _assert_same(_fit_distiller(PlainDistiller), _fit_distiller(Whole, **MICRO))
+        _assert_same(plain_distiller, _fit_distiller(Whole, **MICRO))
 
 
 class TestWarning:
