@@ -67,6 +67,20 @@ def _train(model, x, y):
 SEGMENT = dict(remat=["added" if LEGACY else "monitored"])
 
 
+@pytest.fixture(scope="module")
+def plain_run():
+    """Plain Keras's run of a family, trained once a module (a process): four of the
+    cases below compare against the same MLP's."""
+    runs = {}
+
+    def run(family):
+        if family not in runs:
+            runs[family] = _train(_model(keras.Model, family), *_data(family))
+        return runs[family]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "family, options",
     [
@@ -79,9 +93,9 @@ SEGMENT = dict(remat=["added" if LEGACY else "monitored"])
     ],
     ids=["mlp", "tagger", "normalized", "whole-batch-loss", "remat", "whole-batch-loss-remat"],
 )
-def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, options):
+def test_layer_metrics_are_logged_as_plain_keras_logs_them(family, options, plain_run):
     x, y = _data(family)
-    plain = _train(_model(keras.Model, family), x, y)
+    plain = plain_run(family)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # each is a mean, a sum or per element
         model = _model(AccumulatingModel, family, micro_batch_size=3, **options)

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 from _faults import OutOfMemoryInBackward
+from _fuzz import float64
 from _helpers import (
     FLOAT64,
     IDENTICAL,
@@ -59,20 +60,26 @@ def _assert_same(expected, received):
     assert_same_logs(their_history, history, dict(rtol=FLOAT64["rtol"]))
 
 
+# Plain Keras's run, which three tests compare against: trained once a module (a
+# process), in float64 itself (a module's fixture is set up before `float64_keras`).
+@pytest.fixture(scope="module")
+def plain():
+    with float64():
+        return _fit(_model())
+
+
 @pytest.mark.parametrize("split", [{"micro_batch_size": 3}, {"accumulation_steps": 2}])
-def test_micro_batches_train_as_the_whole_batch(split):
-    plain = _fit(_model())
+def test_micro_batches_train_as_the_whole_batch(split, plain):
     _assert_same(plain, _fit(_model(AccumulatingModel, **split)))
     # The kernels were normalised: the test would pass on a layer that does nothing.
     assert not np.allclose(plain[0][2], _model().get_weights()[2])
 
 
-def test_a_step_that_runs_out_of_memory_puts_the_kernel_back():
+def test_a_step_that_runs_out_of_memory_puts_the_kernel_back(plain):
     # The second micro-batch divided the kernels in place, then ran out of memory in
     # its backward pass: the retry in smaller micro-batches starts from the step's
     # kernels, to the bit (left divided, they differ by rounding: normalised again
     # from the restored `vector_u`, a divided kernel's norm is 1 but for rounding).
-    plain = _fit(_model())
     model = _model(AccumulatingModel, fault=2, micro_batch_size=4)
     received = _fit(model, callbacks=[OOMBackoff(verbose=0)])
     assert model.get_layer("fault").raised == 1
