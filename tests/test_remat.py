@@ -773,8 +773,8 @@ class TestAutoAgainstTheObviousChoices:
         # On tf_keras auto's cuts of the transformer are checked to be those of one
         # `Remat` per block, its lookup kept (below): the measurement, 12 CPU-s there,
         # would compare nearly the same step. Keras 3 measures it.
-        pytest.param("transformer", marks=pytest.mark.skipif(
-            LEGACY, reason="its cuts are checked as per block's on tf_keras")),
+        pytest.param("transformer", marks=pytest.mark.line_independent(
+            reason="on tf_keras its cuts are checked to be per block's")),
     ])
     def test_auto_is_no_worse_than_none_or_a_remat_per_block(self, family):
         # One op at a time, the order the estimate plays, in a fresh process:
@@ -812,7 +812,8 @@ class TestAutoAgainstTheObviousChoices:
         "gelu",
         # One activation per line past the first: the estimate reads the traced step of
         # the line in use, which the GELU stack exercises on both.
-        pytest.param("silu", marks=pytest.mark.skipif(LEGACY, reason="GELU's stack on tf_keras")),
+        pytest.param("silu", marks=pytest.mark.line_independent(
+            reason="on tf_keras the GELU stack runs the line's estimate")),
     ])
     def test_auto_follows_the_measured_step_peaks_of_a_dense_stack(self, activation):
         # Issue 55: on a GELU stack auto estimated none at half its measured
