@@ -295,6 +295,7 @@ _ADDRESS_SPACE_SCRIPT = textwrap.dedent("""
     for size in (128, 512):
         ours.micro_batch_size = size
         ours.fit(x, y, batch_size=1024, epochs=1, verbose=0, callbacks=[backoff])
+    import gc; gc.collect()  # the 512 step's arrays freed before the mapped size is read
     mapped = open("/proc/self/status").read().split("VmSize:")[1].split()[0]
     limit = int(mapped) * 1024 + int(sys.argv[1]) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
@@ -331,7 +332,10 @@ class TestAddressSpaceLimit:
         env = {"KERAS_BACKEND": "jax", "TF_CPU_ALLOCATOR_USE_BFC": None,
                "TF_CPU_BFC_MEM_LIMIT_IN_MB": None,
                "XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=", "MALLOC_ARENA_MAX": "2"}
-        output = _subprocess.run(["-c", _ADDRESS_SPACE_SCRIPT, "400"], env=env, timeout=300)
+        # A margin of 300 MiB: the step at 512 needs more than 400 (XLA's figure below), at 128
+        # about a quarter. With 400 the step at 512 fitted once in CI (no backoff; the
+        # address space mapped when the limit was read was not measured then).
+        output = _subprocess.run(["-c", _ADDRESS_SPACE_SCRIPT, "300"], env=env, timeout=300)
         assert output.returncode == 0, output.stderr[-3000:]
         result = json.loads(output.stdout.strip().splitlines()[-1])
         ((failed, retried, allocation),) = result["backoffs"]
