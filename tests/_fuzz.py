@@ -370,6 +370,9 @@ class Result:
     # What AccumulatingModel refused (on JAX), naming a feature the case draws, and
     # before any update: counted apart, neither a pass nor a failure.
     refused: str | None = None
+    # A failure within ten times plain Keras's own spread under a rounding of its initial
+    # weights (`_spread`): that spread. Counted apart, neither a pass nor a failure.
+    ill_conditioned: float | None = None
 
     @property
     def passed(self):
@@ -379,6 +382,7 @@ class Result:
     def line(self):
         status = "PASS" if self.passed else ("INVALID" if self.invalid else "FAIL")
         status = "REFUSED" if self.refused else status
+        status = "ILL-CONDITIONED" if self.ill_conditioned is not None else status
         detail = f"worst={self.worst:.1e}"
         if self.spec.oom_at:
             detail += f" backed off {self.raised}x"
@@ -393,6 +397,8 @@ class Result:
         elif self.failures:
             shown = sorted(self.failures.items(), key=lambda kv: -kv[1])[:3]
             detail += " " + "; ".join(f"{k}: {v:.1e}" for k, v in shown)
+        if self.ill_conditioned is not None:
+            detail += f"; plain Keras's own spread {self.ill_conditioned:.1e}"
         return f"{status} {self.seconds:5.1f}s {self.spec.describe()} | {detail}"
 
 
@@ -438,12 +444,50 @@ def run(spec: Spec, strategy=None) -> Result:
             seconds, refused = time.perf_counter() - started, _refusal(spec, error)
             return Result(spec, float("inf"), {}, None if refused else _summary(error), seconds,
                           refused=refused, trace=traceback.format_exc())
-    errors = differences(expected, received)
-    failures = {k: v for k, v in errors.items() if not v <= RTOL}
-    worst = max(errors.values(), default=0.0)
+        errors = differences(expected, received)
+        failures = {k: v for k, v in errors.items() if not v <= RTOL}
+        worst = max(errors.values(), default=0.0)
+        spread = _spread(spec, expected) if failures and worst < float("inf") else None
     seconds = time.perf_counter() - started
     return Result(spec, worst, failures, None, seconds, raised=received.raised,
-                  segments=received.segments)
+                  segments=received.segments,
+                  ill_conditioned=spread if spread is not None and worst <= 10 * spread else None)
+
+
+def _spread(spec, expected: Run) -> float | None:
+    """How far plain Keras's own run moves when each gradient it applies moves by one
+    unit in the last place of its variable's largest (`_nudged`): the rounding a
+    micro-batch's sum adds, and what a case may amplify (Adafactor's normalisation, the
+    fuzzer's seed 351 on JAX: 1.3e-9 apart, gradients within 7.6e-16 at every step,
+    plain Keras's own spread 9.0e-9). A failure within ten times it is the case's
+    conditioning, not the accumulation: a float32 fraction of the loss is 1e-8 off where
+    the spread is about 1e-15 (test_fuzz). Keras 3 only (its optimizers' `apply`)."""
+    if LEGACY:
+        return None
+    from keras.src.optimizers import base_optimizer
+
+    apply = base_optimizer.BaseOptimizer.apply
+
+    def nudged(self, grads, trainable_variables=None):
+        return apply(self, [_nudged(g, k) for k, g in enumerate(grads)], trainable_variables)
+
+    base_optimizer.BaseOptimizer.apply = nudged
+    try:
+        run = train(spec, accumulating=False, initial=expected.initial)
+    finally:
+        base_optimizer.BaseOptimizer.apply = apply
+    return max(differences(expected, run).values(), default=0.0)
+
+
+def _nudged(gradient, index):
+    """`gradient` with each non-zero element moved by up to one unit in the last place
+    of its largest magnitude (a dense gradient; others as they are)."""
+    if gradient is None or hasattr(gradient, "indices"):
+        return gradient
+    ops = keras.ops
+    noise = keras.random.uniform(ops.shape(gradient), -1.0, 1.0, dtype=gradient.dtype, seed=index)
+    step = 2.0**-52 * ops.max(ops.abs(gradient))
+    return gradient + ops.where(gradient != 0, step * noise, ops.zeros_like(gradient))
 
 
 def _refusal(spec, error):
@@ -492,17 +536,19 @@ def main(argv=None):
         print(result.line(), flush=True)
         if args.traceback and result.trace:
             print(result.trace, flush=True)
-    failed = [r.spec.seed for r in results if not (r.passed or r.invalid or r.refused)]
+    ill = [r.spec.seed for r in results if r.ill_conditioned is not None]
+    failed = [r.spec.seed for r in results
+              if not (r.passed or r.invalid or r.refused or r.ill_conditioned is not None)]
     invalid = [r.spec.seed for r in results if r.invalid]
     refused = [r.spec.seed for r in results if r.refused]
-    passed = len(results) - len(failed) - len(invalid) - len(refused)
+    passed = len(results) - len(failed) - len(invalid) - len(refused) - len(ill)
     worst = max((r.worst for r in results if r.passed), default=0.0)
     line = {"jax": "Keras 3 on JAX"}.get(BACKEND, "Keras 3" if not LEGACY else "tf_keras")
     refusals = f"; refused seeds: {refused}" if BACKEND == "jax" else ""
     print(
         f"summary: {passed}/{len(results)} passed on {line} at rtol {RTOL:g} "
         f"(worst passing {worst:.1e}); failed seeds: {failed}; invalid seeds: {invalid}"
-        f"{refusals}"
+        f"{refusals}; ill-conditioned seeds: {ill}"
     )
     return 1 if failed else 0
 
