@@ -60,6 +60,13 @@ On Keras 3's JAX backend (`KERAS_BACKEND=jax`) the oracle is plain Keras on JAX
 REFUSED where it raises an error that names such a feature and left the weights
 and `iterations` as they were; any other error is a failure.
 
+A case that fails within ten times plain Keras's own spread counts as ILL-CONDITIONED,
+neither passed nor failed: on Keras 3, plain Keras trains once more with each gradient it
+applies moved by up to one unit in the last place of its variable's largest (`_spread`),
+the rounding a micro-batch's sum adds. A well-conditioned case moves about 1e-15 so; one
+whose optimizer normalises a gradient that cancels to rounding (Adafactor) moves 1e-9 and
+more, as the accumulation does.
+
 Run as a script for a long sweep (`python tests/_fuzz.py --cases 300`): one
 line per case and a summary (`--traceback` adds what a failing run raised);
 `--seed N` replays one case, `--only FIELD` keeps the seeds whose case draws
