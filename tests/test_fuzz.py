@@ -355,7 +355,7 @@ class TestTheComparison:
         result = run(case(samples=23, batch_size=9, split=(("micro_batch_size", 7),)))
         assert not result.passed
         assert 1e-9 < result.worst < 1e-5, result.line()
-        if not LEGACY:  # not put down to the case's conditioning: plain Keras's own spread is far smaller
+        if not LEGACY:  # not put down to the case's conditioning (plain Keras's spread)
             assert result.ill_conditioned is None, result.line()
 
 
