@@ -1,8 +1,9 @@
 """Several machines: real MultiWorkerMirroredStrategy with two local workers on 127.0.0.1.
 
-Each test starts two worker processes (`TF_CONFIG` on free ports) and one
-process alone (the reference: the same global batch on one worker), and
-compares what each worker reports with the process alone.
+The tests share one cluster, started once for the module: two worker processes
+(`TF_CONFIG` on free ports) and one process alone (the reference: the same
+global batch on one worker), each running both checks, the out-of-memory
+one first; each test compares what each worker reports with the process alone.
 """
 
 import json
@@ -26,7 +27,7 @@ WORKER = textwrap.dedent(
     import keras_memopt as kmo
     from keras_memopt._keras import keras
 
-    mode, folder = sys.argv[1], sys.argv[2]
+    folder, micro = sys.argv[1], int(sys.argv[2])
     index = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     rng = np.random.RandomState(0)
@@ -64,8 +65,7 @@ WORKER = textwrap.dedent(
             if epoch == 2:
                 raise RuntimeError("interrupted")
 
-    out = dict()
-    if mode == "fit":
+    def fit(out):
         x = rng.normal(size=(64, 6)).astype("float32")
         y = rng.randint(0, 3, 64)
         model = build([6, 8, 3], 3, lambda: keras.optimizers.Adam(0.01))
@@ -88,17 +88,29 @@ WORKER = textwrap.dedent(
             predict=np.asarray(model.predict(dataset(x, batch=13), verbose=0)),
             backup_left=os.path.exists(os.path.join(folder, "backup")),
         )
-    else:  # "oom": worker 1 runs under a memory limit the first micro-batch exceeds
+        return model
+
+    def oom(out, micro):  # worker 1 runs under a memory limit the first micro-batch exceeds
         x = rng.normal(size=(4096, 64)).astype("float32")
         y = rng.randint(0, 4, 4096)
-        model = build([64, 2048, 64, 2048, 4], int(sys.argv[3]), lambda: keras.optimizers.SGD(0.1))
+        model = build([64, 2048, 64, 2048, 4], micro, lambda: keras.optimizers.SGD(0.1))
         backoff = kmo.callbacks.OOMBackoff(factor=0.25, verbose=0)
         model.fit(dataset(x, y, batch=4096), epochs=2, verbose=0, callbacks=[backoff])
         out["backoffs"] = np.array([b["micro_batch_size"] for b in backoff.backoffs])
         out["iterations"] = int(model.optimizer.iterations.numpy())
-    for i, weight in enumerate(model.get_weights()):
-        out[f"w{i}"] = weight
-    np.savez(os.path.join(folder, f"worker{index}.npz"), **out)
+        return model
+
+    def save(out, model, name):
+        for i, weight in enumerate(model.get_weights()):
+            out[f"w{i}"] = weight
+        np.savez(os.path.join(folder, f"{name}{index}.npz"), **out)
+
+    # Both checks in one cluster (a fresh one costs three TensorFlow starts): the
+    # out-of-memory one first, under the limit it was sized for, then the fit.
+    out = dict()
+    save(out, oom(out, micro), "oom")
+    out = dict()
+    save(out, fit(out), "fit")
     """
 )
 
@@ -113,37 +125,43 @@ def _free_ports(count):
     return ports
 
 
-def _run(tmp_path, mode, *args, limits=(None, None), alone_args=None):
-    """Two workers and one process alone (`alone_args`: its own, else the workers');
-    their saved figures (worker 0, 1, alone)."""
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two workers, worker 1 under a memory limit that micro-batches of 2048 exceed, and one
+    process alone at 512; each runs both checks. Their folders (cluster, alone)."""
+    tmp_path = tmp_path_factory.mktemp("distribution")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     keras_line = KERAS_LINE
     children = []
-    for index, limit in enumerate(limits):
-        folder = tmp_path / "cluster"
-        folder.mkdir(exist_ok=True)
+    folder = tmp_path / "cluster"
+    folder.mkdir()
+    for index, limit in enumerate((None, 40)):
         config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
         env = {**_subprocess.tensorflow_env(limit), **keras_line, "TF_CONFIG": json.dumps(config)}
-        command = [str(script), mode, str(folder), *args]
+        command = [str(script), str(folder), "2048"]
         children.append(_subprocess.start(command, env=env, name=f"worker {index}"))
     alone = tmp_path / "alone"
     alone.mkdir()
     env = {**_subprocess.tensorflow_env(), **keras_line, "TF_CONFIG": None}
-    alone_args = args if alone_args is None else alone_args
-    children.append(_subprocess.start([str(script), mode, str(alone), *alone_args], env=env,
+    children.append(_subprocess.start([str(script), str(alone), "512"], env=env,
                                       name="the process alone"))
     for child, output in zip(children, _subprocess.wait_all(children, timeout=300), strict=True):
         assert output.returncode == 0, f"{child.name}:\n{output.tail()}"
-    return [np.load(tmp_path / "cluster" / f"worker{i}.npz") for i in (0, 1)] + [
-        np.load(alone / "worker0.npz")
-    ]
+    return folder, alone
 
 
-def test_two_workers_train_evaluate_predict_and_resume_as_one_process(tmp_path):
+def _load(cluster, name):
+    """What worker 0, worker 1 and the process alone saved of one check."""
+    folder, alone = cluster
+    return [np.load(folder / f"{name}{i}.npz") for i in (0, 1)] + [np.load(alone / f"{name}0.npz")]
+
+
+def test_two_workers_train_evaluate_predict_and_resume_as_one_process(cluster):
     """Keras 3 too (its own fit fails under MultiWorkerMirroredStrategy, keras#20585)."""
-    first, second, alone = _run(tmp_path, "fit")
+    first, second, alone = _load(cluster, "fit")
     for worker in (first, second):
         assert sorted(worker.files) == sorted(alone.files)
         for key in alone.files:
@@ -151,18 +169,18 @@ def test_two_workers_train_evaluate_predict_and_resume_as_one_process(tmp_path):
     # The backup is removed at the end (tf_keras keeps the emptied directory);
     # the chief wrote the checkpoints.
     assert LEGACY or not first["backup_left"]
-    written = sorted(p.name for p in (tmp_path / "cluster" / "checkpoints").iterdir())
+    written = sorted(p.name for p in (cluster[0] / "checkpoints").iterdir())
     assert written == [f"e{epoch}.weights.h5" for epoch in (1, 2, 3, 4)]
 
 
-def test_an_out_of_memory_error_on_one_worker_is_retried_by_both(tmp_path):
+def test_an_out_of_memory_error_on_one_worker_is_retried_by_both(cluster):
     """Worker 1 alone has a memory limit that micro-batches of 2048 exceed.
 
     Neither worker hangs: both roll back, retry the same batch at 512 and end
     with the weights of one process that trains at 512 from the start (the
     process alone, beside them).
     """
-    first, second, at_512 = _run(tmp_path, "oom", "2048", limits=(None, 40), alone_args=["512"])
+    first, second, at_512 = _load(cluster, "oom")
     for worker in (first, second):
         assert list(worker["backoffs"]) == [512] and int(worker["iterations"]) == 2
         for key in (k for k in at_512.files if k.startswith("w")):
