@@ -690,7 +690,7 @@ def trained(model):
     return [np.array(w) for w in model.get_weights()]
 """
 
-REAL_FIT = REAL_PRELUDE + """
+REAL_FIT = """
 model = build(N)
 backoff = OOMBackoff(factor=0.25)
 history, seconds = fit(model, [backoff])
@@ -700,21 +700,24 @@ seen = model.layers[1].seen.numpy()
 del model, history
 reference = build(final)
 _, reference_seconds = fit(reference)
-print(json.dumps(dict(
+out["fit"] = dict(
     backoffs=backoff.backoffs, final=final, iterations=iterations,
     seen=sorted(set(seen.tolist())),
     max_difference=max(float(np.abs(a - b).max())
                        for a, b in zip(weights, trained(reference))),
     seconds=seconds, reference_seconds=reference_seconds,
-)))
+)
+print(json.dumps(out))
 """
 
 
-def _real(code):
-    result = run_python(
-        code,
-        memory_limit_mb=REAL_LIMIT_MB,
-    )
+@pytest.fixture(scope="module")
+def real():
+    """The figures (`fit`, `evaluate`) of the real checks' child, and its output.
+
+    Both checks in one child (a fresh TensorFlow costs about 4 CPU-s): evaluate, then, all
+    of it let go, the fit (in the other order, evaluate's step at 4096 did not fit)."""
+    result = run_python(REAL_PRELUDE + REAL_EVALUATE + REAL_FIT, memory_limit_mb=REAL_LIMIT_MB)
     return last_json(result), result.stdout
 
 
@@ -723,8 +726,8 @@ def _real(code):
     reason="a real out-of-memory error's rollback on tf_keras is "
     "test_real_oom_in_the_loop_or_the_update_changes_nothing's; its backoff and retry "
     "there, TestBackoff's")
-def test_real_oom_backs_off_to_the_result_of_a_run_started_there():
-    figures, stdout = _real(REAL_FIT)
+def test_real_oom_backs_off_to_the_result_of_a_run_started_there(real):
+    figures, stdout = real[0]["fit"], real[1]
     assert [b["failed_micro_batch_size"] for b in figures["backoffs"]] == [4096], stdout
     assert figures["final"] == 1024
     assert "OOMBackoff: out of memory in a train step at micro_batch_size=4096" in stdout
@@ -734,21 +737,20 @@ def test_real_oom_backs_off_to_the_result_of_a_run_started_there():
 
 
 # micro_batch_size="auto" under a real limit: tests/test_oom_memory.py.
-REAL_EVALUATE = REAL_PRELUDE + """
-out = {}
+REAL_EVALUATE = """
+out = dict(evaluate=dict())
+figures = out["evaluate"]
 # evaluate: 4 x 4096 samples in one micro-batch do not fit; a quarter does.
 big_x, big_y = np.concatenate([x] * 4), np.concatenate([y] * 4)
 model = build(4 * N)
 backoff = OOMBackoff(factor=0.25)
 results = model.evaluate(big_x, big_y, batch_size=4 * N, verbose=0, callbacks=[backoff])
-out["evaluate_backoffs"] = [b["failed_micro_batch_size"] for b in backoff.backoffs]
+figures["evaluate_backoffs"] = [b["failed_micro_batch_size"] for b in backoff.backoffs]
 model.micro_batch_size = N
-out["evaluate_difference"] = float(np.abs(
+figures["evaluate_difference"] = float(np.abs(
     np.array(results) - np.array(model.evaluate(big_x, big_y, batch_size=4 * N, verbose=0))
 ).max())
-del model, big_x, big_y
-
-print(json.dumps(out))
+del model, big_x, big_y, backoff  # the callback holds the model it ran
 """
 
 @pytest.mark.slow
@@ -756,8 +758,8 @@ print(json.dumps(out))
     reason="a real out-of-memory error's rollback on tf_keras is "
     "test_real_oom_in_the_loop_or_the_update_changes_nothing's; evaluate's backoff there, "
     "TestBackoff's test_evaluate_and_predict_back_off")
-def test_real_oom_in_evaluate():
-    figures, stdout = _real(REAL_EVALUATE)
+def test_real_oom_in_evaluate(real):
+    figures, stdout = real[0]["evaluate"], real[1]
     assert figures["evaluate_backoffs"] == [4 * 4096], stdout
     assert figures["evaluate_difference"] <= 1e-5
 
