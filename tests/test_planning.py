@@ -279,6 +279,9 @@ class TestProfile:
         with pytest.raises(ValueError, match="at most `batch_size`"):
             MemoryPlanner(_mlp(keras_module)).profile((16, 64), batch_size=32)
 
+    @pytest.mark.line_independent(
+        reason="the calibration's keeping of each batch size's measurements (measuring a step "
+        "on tf_keras: test_profile_calibrates_without_touching_the_model)")
     def test_profile_measures_at_the_batch_size_given(self, keras_module):
         planner = MemoryPlanner(_mlp(keras_module), device="CPU:0", isolate=False)
         own = planner.profile((256, 512))
@@ -363,18 +366,30 @@ class TestIsolation:
         inputs = keras_module.Input((32,))
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(Doubler()(inputs)))
         planner = MemoryPlanner(model, device="CPU:0")
+        answers, child = [], _subprocess.call
+
+        def asked(*args, **kwargs):
+            answers.append(child(*args, **kwargs))
+            return answers[-1]
+
         with (
             pytest.warns(UserWarning, match="the subprocess cannot rebuild it") as caught,
-            mock.patch.object(_subprocess, "call", wraps=_subprocess.call) as call,
+            mock.patch.object(_subprocess, "call", side_effect=asked) as call,
         ):
             measured = planner.profile((8, 16))
         assert {w.filename for w in caught} == {__file__}  # points at the caller
         assert call.call_count == 1  # the second size is not tried in a fresh process
         for size, peak in measured.items():  # measured here, and calibrating
             assert peak > 0 and planner.estimate(size, size).peak == peak
-        with pytest.raises(RuntimeError, match=r"cannot measure in a fresh process: .*"
-                           r"Pass `isolate=False`.*Received: isolate=True"):
+        # With isolate=True, the same child's answer (given again, not asked of another
+        # fresh TensorFlow) is an error.
+        with (
+            mock.patch.object(_subprocess, "call", return_value=answers[0]) as again,
+            pytest.raises(RuntimeError, match=r"cannot measure in a fresh process: .*"
+                          r"Pass `isolate=False`.*Received: isolate=True"),
+        ):
             MemoryPlanner(model, device="CPU:0", isolate=True).profile((8, 16))
+        assert again.call_count == 1
 
     def test_isolate_must_be_a_bool_or_none(self, keras_module):
         with pytest.raises(TypeError, match="Received: isolate='yes'"):
@@ -425,6 +440,9 @@ class TestCalibration:
 
 
 class TestProfiledPlan:
+    @pytest.mark.line_independent(
+        reason="the plan's search over measured sizes, the planner's own logic (measuring a "
+        "step on tf_keras: TestProfile's test_profile_calibrates_without_touching_the_model)")
     def test_recommends_a_measured_size_that_fits(self, keras_module):
         inputs = keras_module.Input((128,))
         hidden = keras_module.layers.Dense(4096, activation="relu")(inputs)
