@@ -460,6 +460,10 @@ class TestWaysIn:
             # The wrapper trains the wrapped model's own weights.
             np.testing.assert_allclose(wrapped.predict(x, verbose=0), base.predict(x, verbose=0))
 
+    @pytest.mark.line_independent(
+        reason="from_model's tf_keras path (rebuilding a functional model around the wrapped "
+        "one's layers) runs in test_from_model_wraps_functional_sequential_and_subclassed; "
+        "BatchNormalization within micro-batches, in TestBatchNormalization")
     def test_from_model_wraps_keras_application(self):
         base = keras.applications.MobileNetV2(
             input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=4
