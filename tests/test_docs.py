@@ -1,8 +1,10 @@
 """Every ```python block of README.md and docs/*.md runs, so that a documented recipe cannot break.
 
-The blocks of a page run in order in one namespace, as a reader pastes them one after another, in
-a fresh Python per page: pages set process-wide state (`kmo.configure_devices` must come before
-TensorFlow initialises its devices). Fragments use names a page takes from
+The blocks of a page run in order in one namespace, as a reader pastes them one after another. A
+page that sets process-wide state (`kmo.configure_devices` must come before TensorFlow initialises
+its devices) or runs on tf_keras has a fresh Python of its own; the other pages share one, each
+in a namespace and a folder of its own, one after another (a fresh TensorFlow costs about 4 CPU-s,
+and seven of them were most of these pages' time). Fragments use names a page takes from
 its context (`x_train`, `inputs`, `model`): each page's `Setting` defines them before its first
 block, on tiny synthetic data, and, where a page only defines a class (keras.io's GAN), trains it
 after the last block, so that the recipe runs and not only its definition. Other fences (```text,
@@ -108,10 +110,12 @@ class Setting:
     before: str = _FRAGMENTS
     after: str = ""
     legacy: bool = False  # tf_keras (TF_USE_LEGACY_KERAS=1)
+    own_process: bool = False  # it sets process-wide state: a fresh Python of its own
 
 
 SETTINGS = {
     "README.md": Setting(
+        own_process=True,  # configure_devices first, before TensorFlow starts
         # MemoryLogger(every_n_batches=2) reads, and so plots, nothing in epochs of one batch.
         before=_data(1024),
         after=f"""
@@ -158,7 +162,8 @@ SETTINGS = {
         assert sorted(gan.fit(x, batch_size=128, epochs=2).history) == ["d_loss", "g_loss"]
         """,
     ),
-    "docs/devices.md": Setting(before=""),  # configure_devices first, before TensorFlow starts
+    # configure_devices first, before TensorFlow starts
+    "docs/devices.md": Setting(before="", own_process=True),
     "docs/distributed.md": Setting(
         before=_data() + _IMPORTS + "dataset = tf.data.Dataset.from_tensor_slices((x, y))\n",
     ),
@@ -217,7 +222,8 @@ class TransformerBlock(keras.layers.Layer):
 }
 
 # The child: each block compiled as the lines it sits on in its page, so that a traceback names
-# the page and the line there, and shows it.
+# the page and the line there, and shows it. Each page in a namespace and a folder of its own;
+# a page that fails stops there, the next one runs, and the failures are printed last.
 _RUNNER = """
 import os
 import sys
@@ -233,10 +239,16 @@ def run_page(page, path, steps, folder):
         try:
             exec(compile("\\n" * line + code, path if line else f"<{where}>", "exec"), namespace)
         except BaseException:
-            traceback.print_exc()
-            print(f"\\n{page}: {where} failed (traceback above).", file=sys.stderr)
-            sys.exit(1)
+            return f"{traceback.format_exc()}\\n{page}: {where} failed (traceback above)."
         print(f"{page}: {where} ran in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return None
+
+
+def run_pages(pages):
+    failures = [failure for failure in (run_page(*page) for page in pages) if failure]
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    sys.exit(1 if failures else 0)
 """
 
 
@@ -271,15 +283,37 @@ def test_a_block_says_it_is_not_run_on_its_first_line():
                if block.not_run_because is not None), "a block not run without a reason"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", [page for page, blocks in PYTHON.items() if blocks])
-def test_page_runs(page, tmp_path):
-    call = f"run_page({page!r}, {str(ROOT / page)!r}, {_steps(page)!r}, {str(tmp_path)!r})"
-    legacy = SETTINGS.get(page, Setting()).legacy
+def _run_pages(pages, folder, legacy=False):
+    """Runs `pages` in order in one fresh Python, each in a subfolder of `folder`."""
+    runs = []
+    for index, page in enumerate(pages):
+        (folder / str(index)).mkdir()
+        runs.append((page, str(ROOT / page), _steps(page), str(folder / str(index))))
     run_python(
-        f"{_RUNNER}\n{call}\n",
+        f"{_RUNNER}\nrun_pages({runs!r})\n",
         env={"TF_USE_LEGACY_KERAS": "1" if legacy else None},  # None: unset
     )
+
+
+# A page that sets process-wide state runs in a fresh Python of its own; the others (Keras 3,
+# nothing process-wide) share one, each in its own namespace: a fresh TensorFlow costs about
+# 4 CPU-s.
+RUN = [page for page, blocks in PYTHON.items() if blocks]
+ALONE = [page for page in RUN
+         if SETTINGS.get(page, Setting()).own_process or SETTINGS.get(page, Setting()).legacy]
+SHARED = [page for page in RUN if page not in ALONE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ALONE)
+def test_page_runs(page, tmp_path):
+    _run_pages([page], tmp_path, legacy=SETTINGS.get(page, Setting()).legacy)
+
+
+@pytest.mark.slow
+def test_pages_run_in_one_process(tmp_path):
+    assert len(SHARED) >= 5, SHARED  # the pages are found
+    _run_pages(SHARED, tmp_path)
 
 
 @pytest.mark.parametrize(
