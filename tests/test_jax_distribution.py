@@ -10,6 +10,8 @@ alone and with `OOMBackoff` (a real XLA out-of-memory error mid-epoch), `MemoryL
 Runs in CI's JAX pass, like tests/test_jax.py.
 """
 
+import os
+
 import numpy as np
 import pytest
 from conftest import last_json, run_python
@@ -194,8 +196,10 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def runs():
+    # The pass's own XLA flags (CI's compile at -O0) and two host devices.
+    flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]
     output = run_python(CHILD, timeout=300, env={
-        "KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "KERAS_BACKEND": "jax", "XLA_FLAGS": " ".join(flags).strip(),
     })
     results = last_json(output)
     assert results.pop("devices") == 2
