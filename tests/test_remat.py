@@ -1,5 +1,6 @@
 """Remat and AccumulatingModel(remat=...): exact recomputation, segment choice, bad input."""
 
+import functools
 import re
 import warnings
 
@@ -94,8 +95,8 @@ def _fit(model, x, y, batch_size=64, epochs=2, **compile_kwargs):
 
 
 def _assert_same_state(a, b, **tolerance):
-    # `weights` include BatchNormalization's moving statistics.
-    wa, wb = a.get_weights(), b.get_weights()
+    # `weights` include BatchNormalization's moving statistics. A list is weights.
+    wa, wb = (m.get_weights() if hasattr(m, "get_weights") else m for m in (a, b))
     assert len(wa) == len(wb)
     for x, y in zip(wa, wb, strict=True):
         np.testing.assert_allclose(x, y, **(tolerance or EXACT))
@@ -338,27 +339,12 @@ class TestRemat:
         # whose `call` takes no mask (`Remat`), or starts a segment.
         if form == "segments" and not LEGACY:
             pytest.skip("Keras 3's graph computes the mask from the input: no cut after it")
-
-        def tagger(recomputed):
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((10,), dtype="int32")
-            x = layers.Embedding(30, 6, mask_zero=True, name="embedding")(inputs)
-            block = _MaskReadingBlock(name="block")
-            x = (Remat(block) if recomputed and form == "remat" else block)(x)
-            x = layers.Dense(6, activation="tanh", name="hidden")(x)
-            outputs = layers.Dense(3, name="head")(x)
-            remat = ["embedding", "block"] if recomputed and form == "segments" else None
-            return AccumulatingModel(inputs, outputs, micro_batch_size=4, remat=remat)
-
-        rng = np.random.RandomState(0)
-        x, y = rng.randint(1, 30, (8, 10)), rng.randint(0, 3, (8, 10))
-        x[:, 6:] = 0
-        plain, recomputed = tagger(False), tagger(True)
-        recomputed.set_weights(plain.get_weights())
-        losses = [_fit(m, x, y, batch_size=8).history.history["loss"]
-                  for m in (plain, recomputed)]
-        np.testing.assert_allclose(losses[0], losses[1], **EXACT)
-        _assert_same_state(plain, recomputed)
+        initial, plain_losses, plain_weights = _plain_mask_tagger()
+        recomputed = _mask_tagger(form)
+        recomputed.set_weights(initial)
+        losses = _fit(recomputed, *_mask_data(), batch_size=8).history.history["loss"]
+        np.testing.assert_allclose(plain_losses, losses, **EXACT)
+        _assert_same_state(plain_weights, recomputed)
 
     @pytest.mark.skipif(LEGACY, reason="the warning is Keras 3's")
     def test_segments_of_a_masked_model_raise_no_mask_warning(self):
@@ -387,6 +373,45 @@ class TestRemat:
         regularised = layers.Dense(4, activity_regularizer="l2", name="noisy")
         with pytest.raises(ValueError, match="cannot recompute layer 'noisy'"):
             Remat(regularised)
+
+
+def _mask_tagger(form=None):
+    """A tagger whose `_MaskReadingBlock` is in a `Remat` (`form="remat"`), starts a
+    segment (`"segments"`) or, by default, is not recomputed."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((10,), dtype="int32")
+    x = layers.Embedding(30, 6, mask_zero=True, name="embedding")(inputs)
+    block = _MaskReadingBlock(name="block")
+    x = (Remat(block) if form == "remat" else block)(x)
+    x = layers.Dense(6, activation="tanh", name="hidden")(x)
+    outputs = layers.Dense(3, name="head")(x)
+    remat = ["embedding", "block"] if form == "segments" else None
+    return AccumulatingModel(inputs, outputs, micro_batch_size=4, remat=remat)
+
+
+def _mask_data():
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(1, 30, (8, 10)), rng.randint(0, 3, (8, 10))
+    x[:, 6:] = 0
+    return x, y
+
+
+@functools.cache
+def _plain_mask_tagger():
+    """`_mask_tagger()`'s initial weights, logged losses and trained weights: what
+    both recomputed forms are compared with, trained once a module (a process)."""
+    plain = _mask_tagger()
+    initial = plain.get_weights()
+    losses = _fit(plain, *_mask_data(), batch_size=8).history.history["loss"]
+    return initial, losses, plain.get_weights()
+
+
+@functools.cache
+def _plain_chain(micro_batch_size, run_eagerly):
+    """The weights of `_chain(None, micro_batch_size)` after `_fit` on `_data()`: the
+    recomputing chains' oracle, trained once a module (a process) for each setting."""
+    x, y = _data()
+    return _fit(_chain(None, micro_batch_size), x, y, run_eagerly=run_eagerly).get_weights()
 
 
 class _MaskReadingBlock(layers.Layer):
@@ -507,12 +532,10 @@ class TestSegments:
         ],
     )
     def test_training_matches_no_recomputation(self, remat, micro_batch_size, run_eagerly):
-        x, y = _data()
-        plain = _fit(_chain(None, micro_batch_size), x, y, run_eagerly=run_eagerly)
         model = _chain(remat, micro_batch_size)
         assert model.recomputed_segments
-        _fit(model, x, y, run_eagerly=run_eagerly)
-        _assert_same_state(plain, model)
+        _fit(model, *_data(), run_eagerly=run_eagerly)
+        _assert_same_state(_plain_chain(micro_batch_size, run_eagerly), model)
 
     def test_xla_micro_batches_match_no_recomputation(self):
         x, y = _data()
