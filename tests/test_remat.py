@@ -545,11 +545,15 @@ class TestSegments:
         _fit(model, *_data(), run_eagerly=run_eagerly)
         _assert_same_state(_plain_chain(micro_batch_size, run_eagerly), model)
 
+    # Under XLA, a strategy or mixed precision, chains of two layers: auto recomputes
+    # the first as a segment of its own (Dense, Dropout, BatchNormalization), as each
+    # of a deeper chain's, with half as much to trace.
+
     def test_xla_micro_batches_match_no_recomputation(self):
         x, y = _data()
-        plain = _fit(_chain(None, 16, dropout=0), x, y, epochs=1, jit_compile=True)
-        model = _fit(_chain("auto", 16, dropout=0), x, y, epochs=1, jit_compile=True)
-        assert model.micro_batch_jit_compile
+        plain = _fit(_chain(None, 16, depth=2, dropout=0), x, y, epochs=1, jit_compile=True)
+        model = _fit(_chain("auto", 16, depth=2, dropout=0), x, y, epochs=1, jit_compile=True)
+        assert model.micro_batch_jit_compile and model.recomputed_segments
         _assert_same_state(plain, model, rtol=1e-5, atol=1e-6)
 
     def test_mirrored_strategy_matches_no_recomputation(self, mirrored_strategy):
@@ -558,7 +562,8 @@ class TestSegments:
         models = []
         for remat in (None, "auto"):
             with strategy.scope():
-                models.append(_fit(_chain(remat, 8), x, y, epochs=1))
+                models.append(_fit(_chain(remat, 8, depth=2), x, y, epochs=1))
+        assert models[1].recomputed_segments
         _assert_same_state(*models)
 
     def test_auto_estimates_one_replica_under_a_strategy_as_without_one(self, mirrored_strategy):
@@ -588,10 +593,11 @@ class TestSegments:
         keras.mixed_precision.set_global_policy("mixed_float16")
         try:
             x, y = _data()
-            plain = _fit(_chain(None, 16), x, y, epochs=1)
-            model = _fit(_chain("auto", 16), x, y, epochs=1)
+            plain = _fit(_chain(None, 16, depth=2), x, y, epochs=1)
+            model = _fit(_chain("auto", 16, depth=2), x, y, epochs=1)
         finally:
             keras.mixed_precision.set_global_policy("float32")
+        assert model.recomputed_segments
         _assert_same_state(plain, model)
 
     def test_peak_memory_falls_under_xla(self):
