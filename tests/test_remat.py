@@ -415,11 +415,11 @@ def _plain_mask_tagger():
 
 
 @functools.cache
-def _plain_chain(micro_batch_size, run_eagerly):
-    """The weights of `_chain(None, micro_batch_size)` after `_fit` on `_data()`: the
-    recomputing chains' oracle, trained once a module (a process) for each setting."""
-    x, y = _data()
-    return _fit(_chain(None, micro_batch_size), x, y, run_eagerly=run_eagerly).get_weights()
+def _plain_chain(micro_batch_size, run_eagerly, depth):
+    """The weights of `_chain(None, micro_batch_size, depth)` after `_fit` on `_data()`:
+    the recomputing chains' oracle, trained once a module (a process) for each setting."""
+    model = _chain(None, micro_batch_size, depth=depth)
+    return _fit(model, *_data(), run_eagerly=run_eagerly).get_weights()
 
 
 class _MaskReadingBlock(layers.Layer):
@@ -530,24 +530,25 @@ class TestSegmentChoice:
 
 
 class TestSegments:
+    # Several segments in a chain of four layers, where the cuts are named and at
+    # auto's cuts in micro-batches; elsewhere (without micro-batches, eagerly, under
+    # XLA, a strategy or mixed precision) chains of two: auto recomputes the first as
+    # a segment of its own (Dense, Dropout, BatchNormalization), as each of a deeper
+    # chain's, with half as much to trace.
     @pytest.mark.parametrize(
-        "remat, micro_batch_size, run_eagerly",
+        "remat, micro_batch_size, run_eagerly, depth",
         [
-            ("auto", None, False),
-            ("auto", 16, False),
-            (["bn1", "bn3"], 16, False),
-            ("auto", 16, True),
+            ("auto", None, False, 2),
+            ("auto", 16, False, 4),
+            (["bn1", "bn3"], 16, False, 4),
+            ("auto", 16, True, 2),
         ],
     )
-    def test_training_matches_no_recomputation(self, remat, micro_batch_size, run_eagerly):
-        model = _chain(remat, micro_batch_size)
+    def test_training_matches_no_recomputation(self, remat, micro_batch_size, run_eagerly, depth):
+        model = _chain(remat, micro_batch_size, depth=depth)
         assert model.recomputed_segments
         _fit(model, *_data(), run_eagerly=run_eagerly)
-        _assert_same_state(_plain_chain(micro_batch_size, run_eagerly), model)
-
-    # Under XLA, a strategy or mixed precision, chains of two layers: auto recomputes
-    # the first as a segment of its own (Dense, Dropout, BatchNormalization), as each
-    # of a deeper chain's, with half as much to trace.
+        _assert_same_state(_plain_chain(micro_batch_size, run_eagerly, depth), model)
 
     def test_xla_micro_batches_match_no_recomputation(self):
         x, y = _data()
