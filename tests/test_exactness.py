@@ -321,14 +321,14 @@ CASES = {
     "positions-adam": Case(positions_model, text_data, lambda: keras.optimizers.Adam(0.02)),
     "masked-tagger-adam": Case(masked_tagger, tagger_data, lambda: keras.optimizers.Adam(0.01)),
     # An optimizer linear in its gradient shows a share's constant factor that Adam's
-    # normalisation hides; the recurrence over the masks runs in the `rnn-tagger` cases.
+    # normalisation hides; the recurrence over the masks runs in `rnn-tagger-adam`.
     "masked-tagger-sgd": Case(masked_tagger, tagger_data, lambda: keras.optimizers.SGD(0.5)),
     "tagger-ignore-class-sgd": Case(
         unmasked_tagger, tagger_data, lambda: keras.optimizers.SGD(0.5), compile=ignore_class_ce
     ),
-    # The mask and the ignored class together, averaged: the loss's path is the same
-    # without the recurrence, which runs over the masks in `rnn-tagger-adam` and, with
-    # the ignored class, in `rnn-tagger-masked-ignore-class-summed-sgd`.
+    # The mask and the ignored class together, averaged and (below) summed: the loss's
+    # path is the same without the recurrence, which runs over the masks in
+    # `rnn-tagger-adam`.
     "masked-tagger-ignore-class-adam": Case(
         masked_tagger, tagger_data, lambda: keras.optimizers.Adam(0.01), compile=ignore_class_ce
     ),
@@ -339,8 +339,8 @@ CASES = {
         lambda: keras.optimizers.Adam(0.01), compile=summed_ticket_compile,
         micro=dict(micro_batch_size=5),
     ),
-    "rnn-tagger-masked-ignore-class-summed-sgd": Case(
-        rnn_tagger, tagger_data, lambda: keras.optimizers.SGD(0.01),
+    "masked-tagger-ignore-class-summed-sgd": Case(
+        masked_tagger, tagger_data, lambda: keras.optimizers.SGD(0.01),
         compile=summed_ignore_class_ce,
     ),
     # Keras 3 weighted the summing term by the micro-batch's share where no output
@@ -400,7 +400,7 @@ def assert_same_training(expected, received):
 
 # No BiLSTM tagger (on tf_keras it took 90 s of CI's time, its LSTM building a CPU and a
 # cuDNN implementation in every traced step; 6 CPU-s on Keras 3): its parts run in
-# `tickets-rmsprop` (LSTMs) and the `rnn-tagger` cases (a bidirectional recurrence over
+# `tickets-rmsprop` (LSTMs) and `rnn-tagger-adam` (a bidirectional recurrence over
 # the same masks).
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_plain_keras(name):
