@@ -62,7 +62,7 @@ and `iterations` as they were; any other error is a failure.
 
 A case that fails within ten times plain Keras's own spread counts as ILL-CONDITIONED,
 neither passed nor failed: on Keras 3, plain Keras trains once more with each gradient it
-applies moved by up to one unit in the last place of its variable's largest (`_spread`),
+applies moved by up to float64's epsilon times its variable's largest (`_spread`),
 the rounding a micro-batch's sum adds. A well-conditioned case moves about 1e-15 so; one
 whose optimizer normalises a gradient that cancels to rounding (Adafactor) moves 1e-9 and
 more, as the accumulation does.
@@ -462,8 +462,8 @@ def run(spec: Spec, strategy=None) -> Result:
 
 
 def _spread(spec, expected: Run) -> float | None:
-    """How far plain Keras's own run moves when each gradient it applies moves by one
-    unit in the last place of its variable's largest (`_nudged`): the rounding a
+    """How far plain Keras's own run moves when each gradient it applies moves by up to
+    float64's epsilon times its variable's largest (`_nudged`): the rounding a
     micro-batch's sum adds, and what a case may amplify (Adafactor's normalisation, the
     fuzzer's seed 351 on JAX: 1.3e-9 apart, gradients within 7.6e-16 at every step,
     plain Keras's own spread 9.0e-9). A failure within ten times it is the case's
@@ -487,8 +487,9 @@ def _spread(spec, expected: Run) -> float | None:
 
 
 def _nudged(gradient, index):
-    """`gradient` with each non-zero element moved by up to one unit in the last place
-    of its largest magnitude (a dense gradient; others as they are)."""
+    """`gradient` with each non-zero element moved by up to float64's epsilon times its
+    largest magnitude, one or two units in the last place of it (a dense gradient;
+    others as they are)."""
     if gradient is None or hasattr(gradient, "indices"):
         return gradient
     ops = keras.ops

@@ -527,7 +527,11 @@ def _binary_fractions(spec: Spec) -> Spec:
     if _fractions_exact(spec):
         return spec
     (setting, value), = spec.split
-    value = 1 << (value.bit_length() - 1) if setting == "micro_batch_size" else 2 + 2 * (value > 2)
+    # At most 4 of 8: the batch still splits (8 would be one micro-batch, Keras's own step).
+    if setting == "micro_batch_size":
+        value = min(4, 1 << (value.bit_length() - 1))
+    else:
+        value = 2 + 2 * (value > 2)
     spec = dataclasses.replace(spec, batch_size=8, samples=20, split=((setting, value),))
     if not _fractions_exact(spec):
         spec = dataclasses.replace(spec, refit=False, reload=False, unfreeze=False)

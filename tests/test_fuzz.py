@@ -13,9 +13,10 @@ and leaves the TensorFlow lines' found and axis cases to their passes.
 import dataclasses
 
 import _fuzz_sample
+import numpy as np
 import pytest
 import tensorflow as tf
-from _fuzz import RTOL, _refusal, relative_error, run
+from _fuzz import RTOL, _nudged, _refusal, relative_error, run
 from _fuzz_cases import Head, Spec, draw
 
 from keras_memopt._keras import BACKEND, LEGACY, keras
@@ -333,6 +334,14 @@ class TestTheComparison:
         assert relative_error([float("nan")], [1.0]) == float("inf")
         assert relative_error([1e-16], [-5e-16]) <= RTOL  # rounding of a zero figure
         assert relative_error([1e-8], [1.1e-8]) > RTOL
+
+    @pytest.mark.skipif(LEGACY, reason="the spread nudges Keras 3's gradients")
+    def test_the_spread_moves_each_non_zero_gradient_by_at_most_epsilon_times_the_largest(self):
+        gradient = np.array([[0.0, 3.0, -1e-20], [0.5, 0.0, 2.0]])
+        nudged = np.asarray(_nudged(keras.ops.convert_to_tensor(gradient), 0))
+        assert np.array_equal(nudged == 0, gradient == 0)  # a zero stays a zero
+        assert np.all(np.abs(nudged - gradient) <= np.finfo("float64").eps * 3.0)
+        assert np.any(nudged != gradient)  # and the others move
 
     def test_a_float32_fraction_fails_the_float64_comparison(self, monkeypatch):
         def float32_fraction(part, whole):

@@ -757,6 +757,7 @@ figures["evaluate_difference"] = float(np.abs(
 del model, big_x, big_y, backoff  # the callback holds the model it ran
 """
 
+
 @pytest.mark.slow
 @pytest.mark.line_independent(
     reason="a real out-of-memory error's rollback on tf_keras is "
