@@ -80,8 +80,7 @@ def warn(model, x):
 
 
 def refuse_stateful(model):
-    """Raises where `model` has a recurrent layer with `stateful=True`: its state per row of
-    a fixed batch cannot run on part of it."""
+    """Raises for a recurrent layer with `stateful=True` (a state per row of a fixed batch)."""
     names = [
         layer.name for layer in _keras.sublayers(model, include_self=False)
         if isinstance(layer, _keras.keras.layers.RNN) and getattr(layer, "stateful", False)

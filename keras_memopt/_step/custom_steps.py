@@ -35,9 +35,8 @@ class _Probed(Exception):  # noqa: N818 - not an error: the probe's way out of t
 
 
 def _splits_its_batch(cls) -> bool:
-    """Whether the user's classes of a model with a custom `train_step` call
-    `accumulate_gradients` or `super().train_step`: only such a step is run for
-    the probe, which stops it there (what it changed before is put back)."""
+    """Whether the user's classes call `accumulate_gradients` or `super().train_step`: only such
+    a custom step is run for the probe, which stops it there."""
     for klass in cls.__mro__:
         if klass.__module__.split(".")[0] in ("keras_memopt", "keras", "tf_keras", "builtins"):
             continue
@@ -97,9 +96,8 @@ class CustomSteps:
     def _probe_run(self, pair):
         """`(seen, error)` of one probe run of the step on two samples `pair`
         (both None: it did not split the batch, or cannot run eagerly)."""
-        # Everything the step may change before it splits its batch (a plain
-        # tape's update, a second optimizer's, the variables a tf_keras
-        # optimizer makes at its first update), put back from host memory.
+        # What the step may change before it splits its batch (a plain tape's update, a second
+        # optimizer's, a tf_keras optimizer's first variables), put back from host memory.
         state = _rollback.HostCopy(_rollback.state_variables(self), self.distribute_strategy)
         made = _rollback.MadeVariables()
         self._run.probing = True
@@ -140,8 +138,7 @@ class CustomSteps:
         """The batch's loss and gradients, computed micro-batch by micro-batch.
 
         What one `tf.GradientTape` over the whole batch gives when `loss_fn` returns a mean over
-        samples, from the loop `train_step` uses; call it as often as a step needs. For a loss that
-        couples the samples pass `forward`. See docs/custom-train-steps.md.
+        samples; call it as often as a step needs. See docs/custom-train-steps.md.
 
         Args:
             loss_fn: a function of one micro-batch (a slice of `data`) returning its mean loss.
@@ -205,9 +202,8 @@ class CustomSteps:
 
 
 def warn_whole_batch_step(model, own_step):
-    """Warns, once per class, that `model`'s custom `train_step` split nothing: it
-    called neither `accumulate_gradients` nor the model's own step (`own_step`,
-    as the backend's step is called), though its micro-batch setting splits."""
+    """Warns, once per class, that `model`'s custom `train_step` called neither
+    `accumulate_gradients` nor `own_step` (the model's own), though its setting splits."""
     cls = type(model)
     if cls in _WARNED_CUSTOM_STEPS:
         return

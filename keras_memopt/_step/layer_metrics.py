@@ -1,10 +1,7 @@
 """Metrics that layers update as they run, weighted by each micro-batch's fraction.
 
 A layer's own `Mean` (tf_keras's `add_metric`, a Keras 3 layer's `keras.metrics.Mean`) is updated
-once per micro-batch. The first step's probe tells how its updates add up: per element (as they
-are), a mean over samples (weighed by the fraction), a sum (value whole, count by the fraction);
-anything else is logged as the mean of its micro-batches' values, with a warning. See
-docs/accumulation.md."""
+once per micro-batch, as the first step's probe found its updates add up (docs/accumulation.md)."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ ELEMENTS, MEAN, SUM, IDLE = "elements", "mean", "sum", "idle"
 
 
 def layer_means(model) -> list:
-    """The `Mean` metrics (a total and a count) of `model`'s layers, not its own
-    (the loss trackers and compiled metrics), in layer order."""
+    """The `Mean` metrics of `model`'s layers, not its own (loss trackers, compiled), in order."""
     found, seen = [], set()
     for layer in _keras.sublayers(model, include_self=False):
         for metric in getattr(layer, "_metrics", ()):
@@ -33,9 +29,8 @@ def _is_mean(metric) -> bool:
 
 
 def weighted(model, kinds, fraction, fn):
-    """`fn()`, with what it adds to the layers' `Mean` metrics weighted for a
-    micro-batch that is `fraction` of the batch (`kinds` from the first step's probe);
-    `fraction=None`: with nothing added (a forward pass that is not the step's)."""
+    """`fn()`, what it adds to the layers' `Mean` metrics weighted for a micro-batch `fraction` of
+    the batch (`kinds`: the probe's); `fraction=None`: nothing added (a pass not the step's)."""
     means = layer_means(model)
     pairs = list(zip(means, (*kinds, *[None] * (len(means) - len(kinds))), strict=False))
     if fraction is not None:

@@ -42,8 +42,7 @@ def static_batch_size(data) -> int | None:
 
 
 def batch_size_of(data):
-    """The (dynamic) number of samples in a nest of batched tensors (rows of
-    ragged and sparse ones)."""
+    """The (dynamic) number of samples (rows) in a nest of batched tensors."""
     leaves = [t for t in tf.nest.flatten(data) if t is not None]
     if not leaves:
         raise ValueError(
@@ -60,8 +59,7 @@ def batch_size_of(data):
 
 
 def check_splittable(data, name="data"):
-    """Refuses, naming it, a batched value that cannot be split into rows (a composite tensor
-    but ragged and sparse)."""
+    """Refuses, naming it, a composite tensor but ragged and sparse (not split into rows)."""
     for path, leaf in _leaves_with_paths(data, name):
         composite = isinstance(leaf, tf.__internal__.CompositeTensor)
         if composite and not isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
@@ -85,8 +83,7 @@ def _leaves_with_paths(data, path):
 
 
 def rows(tensor, start, size):
-    """Rows `start` to `start + size` (fewer at the end) of a batched tensor:
-    dense, ragged or sparse."""
+    """Rows `start` to `start + size` (fewer at the end) of a dense, ragged or sparse tensor."""
     if tensor is None:
         return None
     if isinstance(tensor, tf.SparseTensor):
@@ -132,8 +129,7 @@ def micro_function(fn, data, *args, jit_compile=False):
         tf.TensorSpec([None] * a.shape.rank, a.dtype) if tf.is_tensor(a) else a for a in args
     ]
     with warnings.catch_warnings():
-        # The loop traces `fn` again: Keras's warnings (an input structure
-        # that differs from the model's, say) are said there, once.
+        # The loop traces `fn` again: Keras's warnings are said there, once.
         warnings.simplefilter("ignore")
         concrete = function.get_concrete_function(
             tf.nest.map_structure(_micro_spec, data), *arg_specs
@@ -219,8 +215,7 @@ def every_replica(tensors) -> list:
 
 
 def overwritten(variable) -> bool:
-    """Whether the optimizer overwrites `variable` with its "gradient" (Keras 3's
-    float8 scales and amax histories)."""
+    """Whether the optimizer overwrites `variable` with its "gradient" (float8 scales)."""
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
@@ -228,13 +223,12 @@ def accumulate(fn, data, size, *args, jit_compile=False, reductions=None):
     """Runs `fn(micro_batch, *args)` over `data` in micro-batches of `size`; sums its outputs.
 
     Args:
-        fn: a function of one micro-batch (a slice of `data`, same structure)
-            and `args`; returns a nest of tensors, `tf.IndexedSlices` and None.
+        fn: a function of one micro-batch (a slice of `data`) and `args`; returns a nest of
+            tensors, `tf.IndexedSlices` and None.
         data: a nest of batched tensors (None leaves allowed).
         size: the micro-batch size, a scalar int32 tensor (the last micro-batch may be smaller).
         *args: tensors passed to every call of `fn` as they are.
-        jit_compile: whether `fn` is compiled with XLA (each micro-batch
-            shape compiles once; the loop itself never is).
+        jit_compile: whether `fn` is compiled with XLA (the loop itself never is).
         reductions: a nest like `fn`'s outputs of "sum", "min" or "max": how each dense output folds
             over the micro-batches. Defaults to None (every output summed).
 

@@ -1,11 +1,7 @@
 """Each micro-batch's exact fraction of the batch's loss, and the loss of a whole batch.
 
-Keras divides a loss by a count of the batch (samples, or the elements a mask or an `ignore_class`
-leaves), so a micro-batch's fraction is its count over the batch's: `n_i / N`, `valid_i / valid`
-(counted before the loop), `1` for a loss that sums over the batch; a term of `model.losses` `n_i /
-N`, or `1` where it sums over the samples (docs/accumulation.md, "The semantics"). The fractions
-enter Keras's own loss computation as scalar sample weights, so masks, weights, `loss_weights` and
-distribution scaling stay Keras's.
+A micro-batch's fraction is its count over the batch's, as Keras counts (docs/accumulation.md,
+"The semantics"), given to Keras's own loss computation as scalar sample weights.
 
 Keras 3 updates each per-output loss tracker with the batch's *static* size, unknown inside the loop
 (each micro-batch counts as one; eagerly `_one_update_each` makes it so): the trackers are set after
@@ -27,9 +23,8 @@ from keras_memopt._step.seen import SUM
 
 @dataclasses.dataclass(frozen=True)
 class LossForm:
-    """What the first step's probe found (`keras_memopt._step.probe`): one kind per
-    term of `model.losses`, one `ignore_class` (or None) per flat output, and whether
-    an output carries a mask (Keras then divides its loss by the unmasked elements)."""
+    """What the first step's probe found (`_step.probe`): a kind per term of `model.losses`, an
+    `ignore_class` (or None) per flat output, whether an output carries a mask."""
 
     terms: tuple[str, ...] = ()
     ignore_classes: tuple = ()
@@ -98,14 +93,12 @@ def summed_outputs(model, y=None) -> tuple:
     return summed if any(summed) else ()
 
 
-# A loss's reductions that split over micro-batches: the means over the samples
-# (each micro-batch weighted by its fraction) and the sum (unweighted).
+# Reductions that split over micro-batches: means (weighted by the fraction) and the sum.
 _SPLIT_REDUCTIONS = (None, "sum_over_batch_size", "mean", "auto", "sum")
 
 
 def check_reduction(loss, whole_batch_loss):
-    """Refuses, at `compile` (and where `whole_batch_loss` is turned off), a
-    `keras.losses.Loss` whose reduction the micro-batches cannot add up to."""
+    """Refuses a `keras.losses.Loss` whose reduction the micro-batches cannot add up to."""
     for item in tf.nest.flatten(loss):
         reduction = reduction_of(item)
         if reduction in _SPLIT_REDUCTIONS:
@@ -176,8 +169,7 @@ class LossSplit:
         model = self.model
         fraction = _loop.fraction_of(_loop.batch_size_of((x, y, sample_weight)), batch_size)
         if overrides(model, "compute_loss") or not (has_compiled_loss(model) or model.losses):
-            # A user's own loss: exact when it averages over samples (or Keras's
-            # error where there is no loss at all).
+            # A user's own loss (or Keras's error where there is none).
             loss = _keras_losses.compute_loss(model, x, y, y_pred, sample_weight, training)
             return loss * tf.cast(fraction, loss.dtype)
         if _keras_losses.PER_SAMPLE_CONTAINER:
@@ -194,8 +186,7 @@ class LossSplit:
         return loss
 
     def compiled_fraction(self, y, y_pred, sample_weight, fraction, valid, terms=(), form=None):
-        """The compiled loss of a micro-batch's outputs, its fraction of the batch's
-        (see the module docstring), with `terms` on tf_keras."""
+        """A micro-batch's compiled loss, its fraction of the batch's (`terms`: tf_keras)."""
         form = form or self.form or LossForm()
         masks = self.divisor_masks(y, y_pred, form)
         if _keras_losses.PER_SAMPLE_CONTAINER:
@@ -261,9 +252,8 @@ def _output_weights(y_pred, sample_weight, fractions):
     """Sample weights carrying each output's fraction (`fractions`: one for all outputs, or
     one per flat output, None leaving the weight as it is); `sample_weight` as Keras hands it."""
     if _loop.static_batch_size(y_pred) == 1:
-        # Keras 3 squeezes the loss of a sample known to be alone (run eagerly)
-        # with a scalar weight to a scalar, which its reduction then leaves
-        # unscaled for the replicas: a weight per sample.
+        # Keras 3 squeezes a lone sample's loss (eager) with a scalar weight to a scalar,
+        # which its reduction leaves unscaled for the replicas: a weight per sample.
         fractions = tf.nest.map_structure(
             lambda s: None if s is None else tf.reshape(s, [1]), fractions)
     if not isinstance(fractions, list):
@@ -328,9 +318,8 @@ class OutputLossTrackers:
 
 @contextlib.contextmanager
 def _one_update_each(model, y_pred):
-    """Inside, Keras 3's per-output loss trackers take a call's loss with weight one,
-    as in the traced micro-batch loop (`OutputLossTrackers`): Keras weighs it by the
-    outputs' static batch size, which is known where the step runs eagerly."""
+    """Inside, Keras 3's per-output loss trackers take a call's loss with weight one, as in the
+    traced loop, not by the static batch size Keras sees where the step runs eagerly."""
     size = tf.nest.flatten(y_pred)[0].shape[0]
     trackers = _keras_losses.output_loss_trackers(model) if size not in (None, 1) else []
     before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in trackers]

@@ -67,10 +67,8 @@ class PerUpdate:
 
     `starts()` before the loop; in each micro-batch, its forward pass under
     `tf.control_dependencies(restart(starts))` and `extremes()` among its outputs, summed with
-    `reductions()`; `finish(extremes)` after the loop.
-
-    Raises `NotImplementedError` for tfmot's layers under a strategy (their `merge_call` is not
-    allowed inside the loop)."""
+    `reductions()`; `finish(extremes)` after the loop. Raises `NotImplementedError` for tfmot's
+    layers under a strategy (their `merge_call` is not allowed inside the loop)."""
 
     def __init__(self, model):
         self.minimums, self.maximums = ranges(model)

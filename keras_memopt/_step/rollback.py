@@ -61,11 +61,9 @@ def loop_variables(model) -> list:
 class Snapshot:
     """Takes and puts back the values of a list of variables, on the device.
 
-    Taking copies nothing (tensors are immutable), but a variable rewritten
-    while held is copied by the update: for small or unchanged variables.
-    Putting back is eager (tracing it cost about a second on a small MLP).
-
-    `variables` returns them, at each `take` (a model makes some lazily)."""
+    Taking copies nothing (tensors are immutable), but a variable rewritten while held is copied by
+    the update: for small or unchanged variables. Putting back is eager (tracing it cost about a
+    second on a small MLP). `variables` returns them, at each `take` (a model makes some lazily)."""
 
     def __init__(self, variables, strategy):
         self._list = variables

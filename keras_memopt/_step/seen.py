@@ -12,8 +12,7 @@ the parts a sum adds up); a value that couples the samples changes by its own si
 another ratio). 1e-4 sits between the two, three orders of magnitude from each. Values computed in
 float16 or bfloat16 (mixed precision) round each part on its own: 4 of their epsilons there. A
 metric's figure, which may sit at zero with rounding around it, also passes within `NEGLIGIBLE`, the
-size below which a value tells nothing.
-"""
+size below which a value tells nothing."""
 
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def close(a, b, rtol=RTOL, scale=0.0, atol=0.0) -> bool:
 
 
 def pair_starts(size: int) -> range:
-    """Where the pairs of a batch of `size` samples that are probed start: the first
-    two samples, then the next pairs while a value tells nothing there (the caller
-    stops), `PAIRS` pairs at most."""
+    """Where the probed pairs of a batch of `size` start: the first two samples, then the next
+    pairs while a value tells nothing there (the caller stops), `PAIRS` pairs at most."""
     return range(0, max(min(size - 1, 2 * PAIRS), 1), 2)
 
 

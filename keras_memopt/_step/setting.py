@@ -14,9 +14,8 @@ from keras_memopt._validation import micro_batch_split
 class MicroBatchSetting:
     """Samples per micro-batch, or micro-batches per batch, for `replicas` replicas.
 
-    `micro_batch_size` may be a tuple (one per replica) or `"auto"`; `cap`, the
-    largest size this process may use. `ValueError` for a setting
-    `micro_batch_split` refuses, or a tuple that is not one per replica."""
+    `micro_batch_size` may be a tuple (one per replica) or `"auto"`; `cap`, the largest size this
+    process may use. `ValueError` for a setting `micro_batch_split` refuses, or a bad tuple."""
 
     def __init__(
         self, replicas: int, micro_batch_size=None, accumulation_steps=None, cap=None

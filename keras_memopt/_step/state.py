@@ -23,10 +23,10 @@ class RunState:
         jit_compile: whether each micro-batch's step is compiled with XLA.
         loss_split: how the loss splits over micro-batches (`LossSplit`).
         segment_plan: the recomputed or placed segments, or None.
-        generation: counts the changes that need the step traced again; a
-            step runner that prepared at an older one prepares again.
-        accumulating: set by the micro-batch loop while a step is traced (a
-            custom step that never set it splits nothing, and is told so).
+        generation: counts the changes that need a retrace; a runner prepared at an older one
+            prepares again.
+        accumulating: set by the loop while a step is traced (a custom step that never set it
+            splits nothing, and is told so).
         probing: while a custom step runs once eagerly to check its loss.
     """
 

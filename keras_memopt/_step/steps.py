@@ -66,9 +66,8 @@ class MicroBatchSteps:
     # -- what every step does first ------------------------------------------------
 
     def _prepare_step(self, kind, data, builtin):
-        """Makes, from the first step's own batch, what it would make while traced, so that
-        the first step is traced once (a model with no `call()` of its own is left to its
-        step, as Keras leaves it), and probes how the loss splits over micro-batches."""
+        """Makes from the first step's batch what it would make while traced (traced once; a model
+        without its own `call()` left to its step, as Keras does); probes the loss's split."""
         local = distribute.first_replica_part(data, self.distribute_strategy)
         buildable = isinstance(self, _keras.Functional) or (
             type(self).call is not _keras.keras.Model.call
@@ -81,8 +80,7 @@ class MicroBatchSteps:
             self._check_custom_loss(local)
 
     def _probe_loss_split(self, data):
-        """Finds, once, how the loss splits over micro-batches (`keras_memopt._step.probe`);
-        raises for a loss or metric it cannot split."""
+        """Finds once how the loss splits (`_step.probe`); raises for a loss or metric it cannot."""
         split = self._run.loss_split
         if split.form is None:
             split.form = loss_form(self, split, data, self._run.whole_batch_loss)
@@ -202,8 +200,8 @@ class MicroBatchSteps:
         return self.get_metrics_result()
 
     def _whole_batch_pass(self, data, training):
-        """`whole_batch_loss=True`: `(loss, size, gradients)`, the loss of the whole
-        batch's outputs (`keras_memopt._step.whole_batch`); metrics see those outputs once."""
+        """`whole_batch_loss=True`: `(loss, size, gradients)` of the whole batch's outputs
+        (`_step.whole_batch`); metrics see those outputs once."""
         if _per_update.PerUpdate(self):
             raise NotImplementedError(
                 "`whole_batch_loss=True` runs each micro-batch forward twice, which "
@@ -239,8 +237,7 @@ class MicroBatchSteps:
         return _dtypes.widened(loss), replica_batch, gradients
 
     def _layer_metrics_weighted(self, micro, batch_size, fn):
-        """`fn()`, with what it adds to the layers' own metrics weighted by the
-        micro-batch's fraction of `batch_size` samples (`keras_memopt._step.layer_metrics`)."""
+        """`fn()`, what it adds to layers' own metrics weighted by its fraction of `batch_size`."""
         fraction = _loop.fraction_of(_loop.batch_size_of(micro), batch_size)
         kinds = (self._run.loss_split.form or _losses.LossForm()).metrics
         return _layer_metrics.weighted(self, kinds, fraction, fn)

@@ -47,9 +47,8 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
     inner.update_step = chained_update_step
     aggregate = getattr(inner, "aggregate_gradients", None)
     if aggregate is not None:
-        # tf_keras sums the replicas' gradients here and clips them next,
-        # before its own row sums: `global_clipnorm` would read the norm of
-        # the concatenated rows, not of the batch's gradient.
+        # tf_keras sums the replicas' gradients here and clips them next, before its own row sums:
+        # `global_clipnorm` would read the norm of the concatenated rows, not the batch gradient's.
         def summed_aggregate(grads_and_vars):
             return [(_loop.sum_rows(g) if isinstance(g, tf.IndexedSlices) else g, v)
                     for g, v in aggregate(grads_and_vars)]
@@ -58,16 +57,14 @@ def chain_updates(optimizer, place_on_variable_device: bool = False):
 
 
 def after_the_loop(gradients, overwrites=False) -> list:
-    """What the update's ops wait for: every gradient summed, and on every replica
-    where the optimizer `overwrites` a variable with its "gradient", which Keras
-    assigns in each replica's context (`_loop.every_replica`)."""
+    """What the update's ops wait for: every gradient summed, and on every replica where the
+    optimizer `overwrites` a variable (Keras assigns it per replica: `_loop.every_replica`)."""
     summed = [t for t in tf.nest.flatten(gradients, expand_composites=True) if t is not None]
     return summed + (_loop.every_replica(summed) if overwrites else [])
 
 
 class Unguarded:
-    """The guard of a step without an out-of-memory policy: the update waits for the
-    loop, and nothing else (`keras_memopt._oom.update_guard.UpdateGuard` checks its memory)."""
+    """The guard of a step without an OOM policy: the update waits for the loop, nothing else."""
 
     def begin(self, waits) -> tf.Operation:
         with tf.control_dependencies(waits):

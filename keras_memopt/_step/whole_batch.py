@@ -25,9 +25,8 @@ def _floating(tensor) -> bool:
 
 
 def _differentiated(outputs) -> list:
-    """What the loss's gradient is taken with respect to: each floating output,
-    then the logits behind the softmax and sigmoid ones, which Keras's
-    cross-entropies read instead of the output (`_keras.logits_of`)."""
+    """What the loss's gradient is taken with respect to: each floating output, then the logits
+    behind softmax and sigmoid ones, which Keras's cross-entropies read (`_keras.logits_of`)."""
     floats = [t for t in tf.nest.flatten(outputs) if _floating(t)]
     logits = [_keras.logits_of(t) for t in floats]
     return floats + [t for t in logits if t is not None]
@@ -98,8 +97,7 @@ class WholeBatch:
         plain Keras, not a zero that Ftrl or a weight decay would act on); `direct_gradients`: per
         variable, of what the loss reads of the variables itself, loss-scaled."""
         floats = _differentiated(outputs)
-        # Named, so that an out-of-memory error here is told from a
-        # micro-batch's: no smaller micro-batch changes what the loss holds.
+        # Named, so that an OOM here is told from a micro-batch's: a smaller one cannot help it.
         with tf.name_scope(WHOLE_BATCH_LOSS_SCOPE):
             with tf.GradientTape(persistent=True) as tape:
                 tape.watch(floats)

@@ -3,10 +3,7 @@
 Before the first step, in inference mode and putting back what it changes, on the batch's first two
 samples, on them repeated and on each alone: the loss and each term of `model.losses`
 (`probe.loss`), the compiled metrics and the layers' `Mean`s (`probe.metrics`), a custom step's
-`loss_fn`. Each value is a `keras_memopt._step.seen.Seen` (what the probe saw, the tolerances, what
-it makes of them: shared with the JAX line): a mean keeps its value on the repeated samples and is
-the sum of the samples' weighted parts; a sum doubles; anything else couples the samples. A value
-zero on two samples tells nothing: the next pairs are probed (`pairs`). See docs/accumulation.md."""
+`loss_fn`. What each value tells, and the tolerances: `_step.seen` (shared with the JAX line)."""
 
 from __future__ import annotations
 
@@ -28,15 +25,13 @@ def tolerance(dtype=tf.float32) -> float:
 
 
 def pairs(data):
-    """The batch's first two samples, then its next pairs while a value tells nothing
-    there (the caller stops): `seen.pair_starts`."""
+    """The batch's first two samples, then its next pairs (`seen.pair_starts`)."""
     for start in pair_starts(int(_loop.batch_size_of(data))):
         yield _loop.micro_slice(data, start, 2)
 
 
 def repeat(data):
-    """Every sample twice (`x + x`), masks and the logits behind a softmax or
-    sigmoid output included (Keras's cross-entropies read those)."""
+    """Every sample twice (`x + x`), masks and the logits behind softmax or sigmoid outputs too."""
     return _rebuilt(data, lambda t: _loop.concat_rows([t, t]))
 
 

@@ -32,9 +32,7 @@ from keras_memopt._step.seen import (
 
 
 def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
-    """How `model`'s loss and metrics split over micro-batches, from the first batch.
-
-    `split`: the model's `keras_memopt._step.losses.LossSplit`.
+    """How `model`'s loss and metrics split over micro-batches (`split`: its `LossSplit`).
 
     Raises:
         ValueError: for a loss of the outputs that does not average over the samples or a compiled
@@ -85,9 +83,8 @@ def loss_form(model, split, data, whole_batch_loss=False) -> LossForm:
 
 def _loss_and_terms(model, split, form, data, whole_batch_loss):
     """`(loss, terms, masked)`: the loss as `(Seen, Seen of one sample)` (None with
-    `whole_batch_loss`), each term of `model.losses` as `(Seen of its value, Seen of
-    its gradient's norm)`, on the first pair of samples where each tells something,
-    and whether an output carries a mask."""
+    `whole_batch_loss`), each term of `model.losses` as `(Seen of its value, Seen of its gradient's
+    norm)`, on the first pair where each tells something, and whether an output is masked."""
     evaluate = _evaluator(model, split, form)
     loss = terms = masked = None
     for pair in pairs(data):
@@ -138,8 +135,7 @@ def _evaluate(model, split, form, x, y, with_loss):
     sample where `with_loss` (`_each_sample`), each term of `model.losses` and its gradient's norm,
     and whether an output carries a mask. On the repeated samples the losses that sum over the batch
     (`form.summed`) are weighted by one half: a loss that splits then keeps its value."""
-    # Not the variables the optimizer overwrites with their "gradient" (float8's
-    # scales): theirs is a new value, which stays when the samples are repeated.
+    # Not variables overwritten with their "gradient" (float8's scales): a new value, that stays.
     variables = [v for v in model.trainable_variables if not _loop.overwritten(v)]
     with tf.GradientTape(persistent=True) as tape:
         y_pred = model(x, training=False)
@@ -168,8 +164,7 @@ def _evaluate(model, split, form, x, y, with_loss):
 
 
 def _halved_sums(y_pred, summed):
-    """Sample weights of one half on the outputs whose loss sums over the batch, one
-    on the others (None where none sums)."""
+    """Sample weights of one half on outputs whose loss sums over the batch, one on the others."""
     if not summed:
         return None
     floatx = _keras.keras.backend.floatx()
@@ -215,9 +210,8 @@ def _each_sample(model, split, form, x, y, y_pred):
 
 
 def _weighted_on(model, index, count, y, y_pred):
-    """The outputs' compiled loss with sample weights one on sample `index` and zero
-    elsewhere, per output in its loss values' usual shape (the output's without its
-    last axis); NaN for a loss that takes no such weights."""
+    """The outputs' compiled loss weighted one on sample `index` and zero elsewhere (weights of the
+    output's shape without its last axis); NaN for a loss that takes no such weights."""
     floatx = _keras.keras.backend.floatx()
 
     def weights(output):

@@ -17,8 +17,8 @@ from keras_memopt._step.seen import NEGLIGIBLE, close
 
 
 def coupled(model, x, y) -> list:
-    """The names of the compiled metrics whose figure on the samples `x` (four or
-    more) is not that of the same samples as micro-batches of one and the rest."""
+    """The compiled metrics whose figure on the samples `x` (four or more) is not that of the
+    same samples as micro-batches of one and the rest, by name."""
     once = _metric_results(model, [(x, y)])
     rest = int(_loop.batch_size_of(x)) - 1
     split = _metric_results(model, [_loop.micro_slice((x, y), 0, 1),
@@ -59,10 +59,9 @@ def message(names) -> str:
 
 
 def layer_metric_kinds(model, once, twice, alone) -> tuple:
-    """The kind of each of `layer_metrics.layer_means(model)` (ELEMENTS,
-    MEAN, SUM, IDLE or None, warned about), from forward passes on the inputs `once` (a
-    few samples), `twice` (the same repeated) and each of `alone` (one of them), at
-    perturbed weights (put back after). The caller puts back the metrics."""
+    """The kind of each of `layer_metrics.layer_means(model)` (ELEMENTS, MEAN, SUM, IDLE or None,
+    warned about), from forward passes on the inputs `once` (a few samples), `twice` (repeated) and
+    each of `alone`, at perturbed weights (put back after). The caller puts back the metrics."""
     means = layer_means(model)
     if not means:
         return ()
@@ -122,10 +121,9 @@ def _layer_metric_updates(model, means, x) -> list:
 
 @contextlib.contextmanager
 def _perturbed(variables):
-    """The trainable weights moved by a fixed random step, then put back: a value that
-    the initial weights make zero whatever the samples (a sum of a LayerNormalization's
-    outputs, whose offsets start at zero) tells its kind. The weights are kept in host
-    memory meanwhile, not on the device."""
+    """The trainable weights moved by a fixed random step, then put back (kept in host memory): a
+    value the initial weights make zero whatever the samples (a sum of a LayerNormalization's
+    outputs, whose offsets start at zero) tells its kind."""
     with tf.device("/CPU:0"):
         kept = [tf.identity(v) for v in variables]
     for index, variable in enumerate(variables):
