@@ -1,13 +1,10 @@
 """`remat="auto"`: which segments to recompute, chosen from the traced step.
 
-The cut points are the tensors that separate the graph (`_remat.graph`); between them lie *units*.
 The model is traced once, unit by unit (`_remat.liveness`), every op labelled with its unit (a
-gradient op by the forward op whose name scope the tape made it in, else by the earliest unit it
-reads from). Each candidate is played on that graph as it would run, a recomputed segment's forward
-ops again just before its first gradient op, with the micro-batch loop's gradient sum alive all
-along (counted without it, the gradients made late hid what recomputation frees early; issue 55).
-The candidates and the rule that picks one (`_remat.candidates`, shared with the JAX line) and the
-measurements behind them: docs/remat.md."""
+gradient op by its forward op's name scope, else by the earliest unit it reads from). Each candidate
+is played on that graph as it would run, a recomputed segment's forward ops again just before its
+first gradient op, the loop's gradient sum alive all along (without it, gradients made late hid what
+recomputation frees early; issue 55). Candidates and rule: `_remat.candidates`, docs/remat.md."""
 
 from __future__ import annotations
 
@@ -67,8 +64,7 @@ class TracedUnits:
         self.count = len(units)
         self.adding_loss = adding[0] if adding else None
         self.signatures = unit_signatures(units)
-        # The gradients the step returns: the micro-batch loop folds each
-        # into the running sum as soon as it is made.
+        # The gradients the step returns: the loop folds each into the sum as soon as it is made.
         self.gradients = {
             buffer for buffer in self.step.kept
             if self.step.ops[self.step.producer[buffer]].type != "Placeholder"

@@ -46,8 +46,7 @@ class Graph:
         self.sizes = [bytes_per_sample(outputs, unknown_dim=1) for _, _, outputs in self.nodes]
 
     def unrecomputable(self, index):
-        """Whether node `index` holds a layer no recomputation runs again exactly
-        (an activity regulariser, a `SpectralNormalization`)."""
+        """Whether no recomputation reruns node `index`'s layer exactly (`_remat.recompute`)."""
         layer = self.nodes[index][0]
         refused = _keras.regularised_sublayer(layer) or _per_update.normalizing_sublayer(layer)
         return refused is not None

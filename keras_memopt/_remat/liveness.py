@@ -29,15 +29,13 @@ _SHAPE_READERS = frozenset({
     "Shape", "ShapeN", "Size", "Rank", "TensorListLength", "TensorListElementShape",
     "BroadcastGradientArgs",
 })
-# Ops whose outputs take no memory of a step's own: constants, variables and
-# reads of them (a read aliases the variable's buffer).
+# Ops whose outputs take no memory of the step's: constants, variables, reads (aliases of them).
 _NOTHING_NEW = frozenset({
     "Const", "VarHandleOp", "ReadVariableOp", "NoOp", "Shape", "ShapeN", "Size", "Rank",
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
 })
-# Element-wise kernels that write their output into an input's buffer where
-# that input is used for the last time and has the output's shape and dtype
-# (TensorFlow's `forward_input_or_allocate_output`).
+# Element-wise kernels that write into an input's buffer used for the last time, of the output's
+# shape and dtype (TensorFlow's `forward_input_or_allocate_output`).
 _IN_PLACE = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
     "SquaredDifference", "BiasAdd", "Relu", "ReluGrad", "Relu6", "Relu6Grad", "Elu", "EluGrad",
@@ -101,9 +99,8 @@ class _Elements:
         return self.of(a) / contracted if contracted else None
 
 
-# TensorFlow's CPU convolution gradient kernels (without oneDNN) work on
-# patches of `shard` images at a time, `shard` chosen to fill what they take
-# for an L3 cache: 30 MiB (conv_grad_filter_ops.cc, conv_grad_input_ops.cc).
+# TensorFlow's CPU convolution gradient kernels (without oneDNN) work on patches of `shard` images
+# at a time, to fill what they take for an L3 cache: 30 MiB (conv_grad_{filter,input}_ops.cc).
 _CPU_WORKING_SET = 30 * 2**20
 
 
@@ -137,13 +134,8 @@ def _cpu_scratch(op):
 
 
 class StepGraph:
-    """The tensors of a traced step: their sizes, producers and users.
-
-    Args:
-        graph: the traced `FuncGraph`.
-        kept: tensors alive to the end of the step (the gradients it returns).
-        cpu: bool, whether to count TensorFlow's CPU convolution gradient kernels' patch
-            buffers. Defaults to True.
+    """The tensors of a traced step (`graph`): their sizes, producers and users; `kept` (the
+    gradients) live to the end; `cpu`: count CPU convolution gradient kernels' patch buffers.
 
     Attributes:
         ops: the graph's ops in the order they were made.
@@ -169,9 +161,8 @@ class StepGraph:
                         self.kept.add(buffer)
                 if buffer is not None:
                     self.buffer_of[tensor.ref()] = buffer
-        # A convolution's input and filter gradients read the same incoming
-        # gradient and run side by side (several inter-op threads, as by
-        # default): each one's patch buffer is alive while either runs.
+        # A convolution's input and filter gradients read one incoming gradient and run side by
+        # side (several inter-op threads, the default): each's patch buffer lives while either runs.
         scratch_users = {}
         for i, op in enumerate(self.ops if cpu else ()):
             scratch = _cpu_scratch(op)

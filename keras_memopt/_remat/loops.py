@@ -68,8 +68,7 @@ def function_graph(op, attribute):
 
 
 def iterations(loop):
-    """How many times a `While` op runs its body: its bound, or the length of
-    the sequence it unstacks (a recurrent layer's time steps)."""
+    """How many times a `While` op runs its body: its bound, or the length it unstacks."""
     bound = _static(loop.inputs[1])
     if bound is not None and not np.ndim(bound) and int(bound) >= 0:
         return int(bound)
@@ -147,8 +146,7 @@ def pile(op, depth=0):
         return None
     count = iterations(op)
     body = function_graph(op, "body")
-    # The loop-carried sums: what the body returns, but the lists it appends
-    # to (their items are counted in `list_bytes`).
+    # The loop-carried sums: what the body returns, but the lists (counted in `list_bytes`).
     carried = {_source(t).op for t in body.outputs if t.dtype != tf.variant}
     made = 0
     for inner in body.get_operations():

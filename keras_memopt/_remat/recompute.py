@@ -70,9 +70,8 @@ def on_device(call, args, device):
 def _custom_backward(call, layer, args, kwargs, device, recomputed):
     structure = (args, kwargs)
     leaves = tf.nest.flatten(structure)
-    # Sparse and ragged tensors (a model's sparse or ragged input) are bound
-    # like other values: `tf.custom_gradient` takes dense tensors only, and
-    # nothing differentiates with respect to them.
+    # Sparse and ragged tensors are bound like other values: `tf.custom_gradient` takes dense
+    # tensors only, and nothing differentiates with respect to them.
     positions = [i for i, leaf in enumerate(leaves)
                  if tf.is_tensor(leaf) and not isinstance(leaf, _COMPOSITE)]
     if not positions:
@@ -169,9 +168,8 @@ def added_losses(layer):
 
 @contextlib.contextmanager
 def _no_added_losses(layer):
-    """Raises if the call inside adds a loss term to `layer` or a layer in it:
-    recomputed, the term would get no gradient (the forward pass that made it
-    is not recorded), and training would go on silently wrong."""
+    """Raises if the call inside adds a loss term to `layer` or a layer in it: recomputed, the term
+    would get no gradient (its forward pass is unrecorded), and training goes on silently wrong."""
     with added_losses(layer) as grown:
         yield
     if grown:
@@ -185,8 +183,7 @@ def _no_added_losses(layer):
 
 
 def check_recomputable(layers, where):
-    """Raises for a layer that no recomputation can run again exactly: one with an
-    activity regulariser, or a `SpectralNormalization`."""
+    """Raises for a layer not rerun exactly: an activity regulariser, a `SpectralNormalization`."""
     for layer in layers:
         normalizing = _per_update.normalizing_sublayer(layer)
         if normalizing is not None:

@@ -14,9 +14,8 @@ from keras_memopt._remat import choice as _remat_choice
 from keras_memopt._remat import graph as _graph
 from keras_memopt._remat.recompute import check_recomputable, on, on_device, recompute
 
-# The micro-batch size `remat="auto"` estimates peaks at where the model has
-# no number for it (the whole batch, or "auto"): large, so that candidates are
-# ranked by what each sample keeps, where recomputation matters.
+# The micro-batch `remat="auto"` estimates at where the model has no number (whole batch, "auto"):
+# large, so that candidates are ranked by what each sample keeps, where recomputation matters.
 _NOMINAL_BATCH = 4096
 
 
@@ -74,8 +73,7 @@ def _keep_lookup(graph, separators, cuts, note) -> Cuts:
 
 
 def candidate_separators(graph):
-    """The cut points `remat="auto"` considers: up to the first layer no
-    recomputation runs again exactly (an activity regulariser, a `SpectralNormalization`)."""
+    """The cut points `remat="auto"` considers: up to the first layer not rerun exactly."""
     separators = graph.separators()
     refused = [i for i in range(len(graph.nodes)) if graph.unrecomputable(i)]
     if refused:  # Everything up to the last cut is recomputed.
@@ -124,9 +122,8 @@ def _auto_cuts(model, graph, separators, batch):
 
 
 def _traced_units(model, graph, separators):
-    """(`TracedUnits` between `separators`, the separators), the separators ending
-    before the first unit that adds a loss in `call` (recomputed, its term would
-    get no gradient); (None, []) where none is left."""
+    """(`TracedUnits` between `separators`, the separators), ending before the first unit that adds
+    a loss in `call` (recomputed, its term gets no gradient); (None, []) where none is left."""
     traced = _remat_choice.TracedUnits(model, SegmentPlan(model, separators, graph).segments)
     if traced.adding_loss is None or traced.adding_loss >= len(separators):
         return traced, separators
