@@ -14,12 +14,10 @@ if LEGACY:
 else:
     import keras
 
-# The backend Keras runs on: "tensorflow" on both lines, or "jax" (Keras 3 only),
-# where `keras_memopt` exports the JAX step's `AccumulatingModel` (`jax_models`).
+# Keras's backend: "tensorflow" on both lines, or "jax" (Keras 3; then `jax_models` is exported).
 BACKEND = "tensorflow" if LEGACY else keras.config.backend()
 
-# Keras hides its functional model class; both lines return it from
-# `Model.__new__` when given functional arguments (without initialising it).
+# Keras hides its functional class; `Model.__new__` returns it (uninitialised) for functional args.
 Functional = type(keras.Model.__new__(keras.Model, inputs=[], outputs=[]))
 InputLayer = keras.layers.InputLayer
 
@@ -35,8 +33,7 @@ REPLICA_OUTPUTS_SUMMED = LEGACY
 REDIRECTS_NON_CHIEF_FILES = LEGACY
 # tf_keras cannot move a layer's variables to another device once they exist.
 MOVES_VARIABLES = not LEGACY
-# tf_keras keeps each epoch's iterator in reference cycles, its prefetched batches
-# allocated until Python's collector runs.
+# tf_keras keeps each epoch's iterator in reference cycles, its prefetched batches held until gc.
 ITERATORS_IN_CYCLES = LEGACY
 # Keras 3 layers keep their random state in seed generator variables (a backup saves
 # them); tf_keras layers draw from stateful random ops by default.
@@ -96,8 +93,7 @@ def step_jit_compile(model) -> bool:
 
 
 def jit_compile_requested(model) -> bool:
-    """Whether XLA was asked for by `compile(jit_compile=True)`, not chosen by "auto"
-    (tf_keras resolves "auto" to no XLA: any XLA there was asked for)."""
+    """Whether XLA was asked for (`jit_compile=True`), not chosen by "auto" (never on tf_keras)."""
     return LEGACY or (model.get_compile_config() or {}).get("jit_compile") is True
 
 
@@ -135,8 +131,7 @@ def masks_of(outputs):
 
 
 def with_masks(outputs, masks):
-    """`outputs` (new tensors: a custom gradient's) with the masks `masks_of`
-    read from the call that made them."""
+    """`outputs` (a custom gradient's new tensors) with the masks `masks_of` read from the call."""
     for tensor, mask in zip(tf.nest.flatten(outputs), tf.nest.flatten(masks), strict=True):
         if mask is not None:
             set_mask(tensor, mask)
@@ -185,8 +180,7 @@ def mask_warning_silenced():
 def update_metrics(model, x, y, y_pred, sample_weight):
     """Updates the compiled metrics with one micro-batch; results come later."""
     if LEGACY:
-        # tf_keras's `compute_metrics` also reads the results, a cross-replica
-        # `merge_call` that is not allowed inside the micro-batch loop.
+        # tf_keras's `compute_metrics` also reads results: a `merge_call`, not allowed in the loop.
         model.compiled_metrics.update_state(y, y_pred, sample_weight)
     else:
         model.compute_metrics(x, y, y_pred, sample_weight)
@@ -214,8 +208,7 @@ def scale_loss(optimizer, loss):
 
 
 def build_optimizer(optimizer, variables):
-    """Creates `optimizer`'s variables now, outside any traced step (made inside one, they
-    make TensorFlow trace the step a second time)."""
+    """Makes `optimizer`'s variables now, outside any traced step (inside, they cause a retrace)."""
     if optimizer is None or not variables:
         return
     with tf.init_scope():
@@ -238,9 +231,8 @@ def symbolic_build(model, data_batch):
         try:
             model._symbolic_build(data_batch=strip_optionals(data_batch))
         except ValueError as error:
-            # Keras builds the loss on symbolic outputs, where no `add_loss` term
-            # is kept: a model whose loss is only those (`compile(loss=[None,
-            # None])`) has "no loss" there. All but the optimizer is built by then.
+            # Keras builds the loss on symbolic outputs, without `add_loss` terms: a loss of only
+            # those (`compile(loss=[None, None])`) is "no loss" there; all but the optimizer built.
             if "No loss to compute" not in str(error) or any(tf.nest.flatten(model.loss)):
                 raise
             model.optimizer.build(model.trainable_variables)
@@ -259,8 +251,7 @@ def build_step_state(model, x, y):
 
 
 def apply_gradients(optimizer, gradients, variables):
-    """One optimizer update; a loss-scale optimizer unscales and skips
-    non-finite gradients (and lowers its scale) as in plain Keras."""
+    """One update; a loss-scale optimizer unscales, skips non-finite gradients, lowers its scale."""
     if LEGACY and isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
         gradients = optimizer.get_unscaled_gradients(gradients)
     optimizer.apply_gradients(zip(gradients, variables, strict=True))
@@ -292,8 +283,7 @@ def sublayers(layer, include_self=True):
 
 
 def added_losses(layer) -> list:
-    """The loss terms calls have added to `layer` itself with `add_loss` (not
-    weight regularisers: those are computed from the weights)."""
+    """The terms calls added to `layer` itself with `add_loss` (not weight regularisers)."""
     if LEGACY:
         return [*getattr(layer, "_eager_losses", ()), *getattr(layer, "_losses", ())]
     return list(getattr(layer, "_losses", ()))
@@ -319,8 +309,7 @@ def global_random_state() -> list:
 
 
 def seed_variables(layer):
-    """Keras 3's seed states of `layer` (and the layers inside it): its variables that
-    are not weights."""
+    """Keras 3's seed states of `layer` (and layers in it): its variables that are not weights."""
     weights = {id(w) for w in layer.weights}
     return [v for v in layer.variables if id(v) not in weights]
 
@@ -395,8 +384,7 @@ def move_variable(variable, device):
         variable._initialize(old.read_value())
 
 
-# Where `fit` keeps its validation data from one epoch to the next (Keras 3,
-# tf_keras), what adapts the data, and the validation steps (None: all).
+# Where `fit` keeps validation data between epochs (Keras 3, tf_keras), adapter, steps (None: all).
 _CACHED_VALIDATION = (
     ("_eval_epoch_iterator", "data_adapter", "steps_per_epoch"),
     ("_eval_data_handler", "_adapter", "_steps_per_epoch"),

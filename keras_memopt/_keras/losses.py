@@ -1,7 +1,5 @@
-"""The seam between keras_memopt and the Keras line in use, for losses.
-
-Keras's loss container, the terms of `model.losses` and the reported loss's trackers, on Keras 3 and
-on tf_keras (`keras_memopt._keras` for the rest)."""
+"""The seam to the Keras line in use for losses: Keras's loss container, the terms of `model.losses`
+and the reported loss's trackers, on Keras 3 and tf_keras (`keras_memopt._keras` for the rest)."""
 
 import contextlib
 

@@ -16,8 +16,7 @@ def keras_3_error(feature: str) -> RuntimeError:
     if now is None:
         received = "TF_USE_LEGACY_KERAS unset"
     elif now.lower() in ("1", "true"):
-        # tfmot sets it when imported (tensorflow_model_optimization's
-        # `compat.py`): imported after keras_memopt, too late.
+        # tfmot sets it when imported (its `compat.py`): imported after keras_memopt, too late.
         received = (
             f"TF_USE_LEGACY_KERAS={now!r} set after keras_memopt was imported "
             "(importing tensorflow_model_optimization sets it)"
@@ -39,8 +38,7 @@ def keras_3_error(feature: str) -> RuntimeError:
 def tfmot(feature: str):
     """The `tensorflow_model_optimization` module, or a clear error saying what to do."""
     if not _keras.LEGACY:
-        # Before importing tfmot, which would set TF_USE_LEGACY_KERAS=1 for
-        # every process this one starts.
+        # Before importing tfmot, which sets TF_USE_LEGACY_KERAS=1 for every process this starts.
         raise keras_3_error(feature)
     try:
         import tensorflow_model_optimization

@@ -35,8 +35,7 @@ def wrapped_inputs_outputs(model):
 
 
 def built_input_shape(model):
-    """The input shape a built single-input subclassed model was built for,
-    with the batch dimension left open; None if unknown."""
+    """The input shape a built single-input subclassed model was built for (batch open), or None."""
     if LEGACY:
         shape = getattr(model, "_build_input_shape", None)
     else:

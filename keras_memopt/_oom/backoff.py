@@ -35,8 +35,7 @@ class BackoffPolicy:
         self.trained_micro_batch_size = None
 
     def trained(self, micro_batch_size):
-        """Called by the step runner after a training step ran: the size it ran with
-        (the largest replica's, where each has its own)."""
+        """After a training step ran: the size it ran with (the largest replica's)."""
         self.trained_micro_batch_size = max(_sizes(micro_batch_size))
 
     def shrunk(self, size: int) -> int:
@@ -49,8 +48,7 @@ class BackoffPolicy:
         smaller one cannot help."""
         message = self.refusal(failure)
         if message is not None:
-            # Not raised from the error: its traceback would hold the failed
-            # attempt's frames (the message gives its text).
+            # Not raised from the error: its traceback would hold the failed attempt's frames.
             raise exhausted(message)
         current = failure.micro_batch_size
         # Per-replica sizes all shrink: the failed step does not say which replica's memory ran out.

@@ -20,8 +20,7 @@ from keras_memopt._step.scopes import (
 )
 from keras_memopt.memory import allocator_memory, format_bytes, parse_bytes
 
-# What TensorFlow's message says when an allocation failed but the error is
-# not a `ResourceExhaustedError`.
+# What TensorFlow says when an allocation failed but the error is no `ResourceExhaustedError`.
 _OOM_MESSAGE_MARKERS = (
     "resourceexhausted",
     "resource exhausted",
@@ -311,15 +310,8 @@ _ADVICE = {Phase.WHOLE_BATCH_LOSS: _WHOLE_BATCH_LOSS_ADVICE}
 
 def report(error: BaseException | ErrorText, phase: Phase, memory: StepMemory | None = None,
            micro_batch_size=None, minimum=None, note: str | None = None) -> str:
-    """The message of the error raised when an out-of-memory error ends a step for good.
-
-    Args:
-        error: the out-of-memory error, or its text.
-        phase: where in the step it happened.
-        memory: what the step holds, when known.
-        micro_batch_size, minimum: the micro-batch in use and the smallest one allowed.
-        note: one more sentence on why nothing was retried.
-    """
+    """The message of the error raised when an out-of-memory `error` ends a step for good;
+    `minimum`: the smallest micro-batch allowed, `note`: why nothing was retried."""
     if phase is Phase.STATE:
         headline = (
             f"Out of memory {phase.value}: the model's state does not fit on the "

@@ -28,8 +28,7 @@ class Retries:
         self.state = state
         self._own = own
         self.peaks = {}  # device -> the allocator's peak in the last attempt that ran
-        # What a failed attempt must put back: the loop's state for the
-        # model's own step (its update is guarded), everything for a custom one.
+        # A failed attempt puts back the loop's state (own step, update guarded), else everything.
         kept = _rollback.loop_variables if own else _rollback.state_variables
         self._snapshot = _rollback.Snapshot(lambda: kept(model), model.distribute_strategy)
 

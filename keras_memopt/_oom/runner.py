@@ -20,8 +20,7 @@ from keras_memopt._step.steps import StepFunctions
 
 
 class StepRunner:
-    """`model.<kind>_function`: one step per batch of the `StepFunctions`, retried on
-    out-of-memory."""
+    """`model.<kind>_function`: one step per batch of the `StepFunctions`, retried on OOM."""
 
     def __init__(self, model, functions: StepFunctions, state):
         self.model = model
@@ -44,9 +43,8 @@ class StepRunner:
         self.state.guard.forget_needs()
 
     def __call__(self, iterator):
-        # Traced for what the iterator yields (its batch axis unknown where the
-        # data's is), as Keras's own step functions are: layers and losses see
-        # the same static shapes as in plain Keras.
+        # Traced for what the iterator yields (batch axis unknown where the data's is), as Keras's
+        # own step functions are: layers and losses see the same static shapes as in plain Keras.
         spec = getattr(iterator, "element_spec", None)
         if self.kind == "predict" and _keras.PREDICT_HANDS_A_LIST:
             return _joined([self.run(data) for data in iterator])
@@ -106,8 +104,7 @@ class StepRunner:
             self.functions.prepare(data)
 
     def _coordinator(self, retrying):
-        """The step's functions: whole on one worker, or in three calls under several
-        workers that retry together."""
+        """The step's functions: whole on one worker, in three calls under several workers."""
         model = self.model
         several = retrying and distribute.multi_worker(model.distribute_strategy)
         if not several:
