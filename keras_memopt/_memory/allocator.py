@@ -62,9 +62,8 @@ def allocator_memory(device: str | None = None) -> dict | None:
     return dict(device=device, current=info["current"], peak=peak)
 
 
-# Peaks the step runner reset to measure one step (`reset_step_peak`), per
-# device: `allocator_memory` still reports them until a reader starts a new
-# window (`start_peak_window`), so that a user's peak is not lost.
+# Peaks the step runner reset per device to measure one step (`reset_step_peak`): reported by
+# `allocator_memory` until a reader starts a new window, so that a user's peak is not lost.
 _PEAKS_RESET_AWAY: dict[str, int] = {}
 
 

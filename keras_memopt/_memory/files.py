@@ -57,8 +57,7 @@ class _Claim:
         return any(thread.ident == self.thread for thread in threading.enumerate())
 
 
-# Files that loggers are writing, so that a second logger in the same process
-# cannot overwrite them mid-run.
+# Files loggers are writing, so that a second logger in this process cannot overwrite them mid-run.
 _FILES_IN_USE: dict[str, _Claim] = {}
 
 

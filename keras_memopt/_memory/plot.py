@@ -1,7 +1,5 @@
-"""A `MemoryLogger`'s plot: the memory timeline, device and host on panels of their own.
-
-The host's RSS (hundreds of MiB of TensorFlow's libraries) would press a device's curve flat on a
-shared axis."""
+"""A `MemoryLogger`'s plot: the memory timeline, device and host on panels of their own (the host's
+RSS, hundreds of MiB of TensorFlow's libraries, would press a device's curve flat)."""
 
 from __future__ import annotations
 
@@ -10,11 +8,7 @@ _HOST = "memory_host_rss_mib"
 
 
 def require_matplotlib(plot):
-    """Raises, at construction, where `plot` is asked for without matplotlib.
-
-    Raises:
-        ImportError: naming the extra that installs matplotlib.
-    """
+    """`ImportError` naming the extra, at construction, where `plot` needs missing matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:

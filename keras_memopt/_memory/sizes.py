@@ -1,7 +1,5 @@
-"""Byte sizes: `"8GiB"` to bytes and back, and the bytes of tensors from their shapes.
-
-Importing this module does not import TensorFlow (the functions that need it do), so that the
-command line can check sizes before TensorFlow loads."""
+"""Byte sizes: `"8GiB"` to bytes and back, and the bytes of tensors from their shapes. Importing it
+does not import TensorFlow, so that the command line can check sizes before TensorFlow loads."""
 
 from __future__ import annotations
 

@@ -8,9 +8,8 @@ import os
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-# What `tf.summary.scalar` writes. That function is TensorBoard's, and TensorFlow (2.21) no longer
-# installs TensorBoard: without it, `tf.summary.scalar` raises TBNotInstalledError.
-# `tf.summary.write` with the scalar plugin's metadata writes the same events.
+# What `tf.summary.scalar` writes, which without TensorBoard (TensorFlow 2.21 no longer installs
+# it) raises TBNotInstalledError: `tf.summary.write` with the scalar plugin's metadata.
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 )

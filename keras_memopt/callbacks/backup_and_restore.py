@@ -15,8 +15,7 @@ _RANDOM_STATE = "random_state.npz"
 
 
 def _random_variables(model):
-    """Variables that hold random state: Keras 3 seed generators (the model's own,
-    which are not among its weights, and the global one)."""
+    """Keras 3's seed generators' variables: the model's own (not among its weights) and global."""
     return _keras.seed_variables(model) + _keras.global_random_state()
 
 

@@ -19,15 +19,12 @@ __all__ = ["MemoryLogger"]
 class MemoryLogger(keras.callbacks.Callback):
     """Records memory figures while a model trains.
 
-    At the end of every epoch (and, with `every_n_batches`, every N training batches) it reads, for
-    each device, the allocator's memory in use and its peak since the previous reading, the host's
-    resident set size and, where `nvidia-ml-py` finds GPUs, NVML's used and total memory, in MiB,
-    named `memory_<device>_<figure>_mib` (e.g. `memory_gpu0_peak_mib`, `memory_host_rss_mib`).
-    The epoch figures go into `logs` (so `History`, `CSVLogger` and `TensorBoard` placed after it
-    record them); it can also write its own CSV, TensorBoard summaries and a PNG plot. A figure
-    not available is left out, and said once. As with `CSVLogger`, an existing `filename` is
-    replaced unless `append=True`; nothing is written outside the paths given. What the figures
-    count, on JAX and on a CPU: the guide's "Memory logging and planning" (docs/memory.md).
+    At the end of every epoch (and, with `every_n_batches`, every N training batches) it reads each
+    device's memory in use and its peak since the last reading, the host's RSS and NVML's figures,
+    in MiB, named `memory_<device>_<figure>_mib` (e.g. `memory_gpu0_peak_mib`). The epoch figures go
+    into `logs` (for `History`, `CSVLogger` and `TensorBoard` after it); it can also write its own
+    CSV, TensorBoard summaries and a PNG plot. A figure not available is left out, and said once.
+    An existing `filename` is replaced unless `append=True`. What the figures count: docs/memory.md.
 
     Args:
         filename: str or path, a CSV file for the logger's own rows. Defaults to None (figures go
@@ -97,8 +94,7 @@ class MemoryLogger(keras.callbacks.Callback):
         self.verbose = verbose
         self.reader = MemoryReader(devices)
         if every_n_batches:
-            # Only then: Keras dispatches steps without waiting for callbacks
-            # when none has a batch hook, which keeps per-epoch logging free.
+            # Only then: without a batch hook Keras dispatches steps without waiting for callbacks.
             self.on_train_batch_end = self._read_batch
         self.rows: list[dict] = []
         self._csv = None
@@ -134,8 +130,7 @@ class MemoryLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _memory_files.release(self)
-        # Every path checked and held before anything is written, so a
-        # refusal leaves no trace and comes before the first step.
+        # Every path checked and held before anything is written: a refusal leaves no trace.
         paths = {
             what: _memory_files.check_path(path, what)
             for what, path in (("filename", self.filename), ("plot", self.plot))

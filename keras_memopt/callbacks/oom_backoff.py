@@ -13,17 +13,12 @@ class OOMBackoff(keras.callbacks.Callback):
     """Shrinks the micro-batch and retries the batch when memory runs out.
 
     Attach it to `fit` (and `evaluate` or `predict`) of a `keras_memopt.AccumulatingModel`. When a
-    micro-batch's forward or backward pass runs out of device memory, what the failed step changed
-    (BatchNormalization statistics, metrics, seeds, counters) is put back, `micro_batch_size` is
-    multiplied by `factor` and the *same* batch runs again: the effective batch, and so the result
-    of training, never changes. The smaller micro-batch stays after `fit` returns. Where a smaller
-    micro-batch cannot help (the optimizer update, a gradient sum that does not fit, the minimum
-    reached) it stops with one `ResourceExhaustedError` naming the phase and the bytes held, the
-    model left as before the step. Each backoff prints a line (`verbose`) and is recorded in
-    `backoffs`; each epoch's last micro-batch is added to `logs` as `"micro_batch_size"`. On
-    Keras 3's JAX backend it works the same way (the report is a `jax.errors.JaxRuntimeError`).
-    What the rollback keeps and costs, XLA and JAX: the guide's "Out-of-memory backoff"
-    (docs/oom-backoff.md).
+    micro-batch's pass runs out of device memory, the failed step is put back, `micro_batch_size` is
+    multiplied by `factor` and the *same* batch runs again: the result of training never changes;
+    the smaller micro-batch stays after `fit`. Where a smaller micro-batch cannot help it stops with
+    one `ResourceExhaustedError` (on JAX a `JaxRuntimeError`) naming the phase and the bytes held.
+    Each backoff prints a line (`verbose`) and goes into `backoffs`; each epoch's last micro-batch
+    into `logs` as `"micro_batch_size"`. What is put back, costs, XLA, JAX: docs/oom-backoff.md.
 
     Args:
         factor: float in (0, 1), what the micro-batch is multiplied by at each backoff (rounded
@@ -99,9 +94,8 @@ class OOMBackoff(keras.callbacks.Callback):
                 "`model.compile(...)`, then pass OOMBackoff to its `fit`. "
                 f"Received: a model of type {type(model).__name__}"
             )
-        # Attached for the length of the call (and of `evaluate` inside
-        # `fit`): the model puts back the policy and XLA when it ends, however
-        # it ends (`keras_memopt._oom.run_settings`), the one owner of that.
+        # Attached for the call (and `evaluate` inside `fit`): the model puts back the policy and
+        # XLA however the call ends (`_oom.run_settings`, the one owner of that).
         if model.oom_policy is not self.policy:
             # On JAX every step is XLA's, and XLA's runtime there recovers.
             if getattr(model, "micro_batch_jit_compile", False):
@@ -109,8 +103,7 @@ class OOMBackoff(keras.callbacks.Callback):
             model.oom_policy = self.policy
 
     def _leave_xla(self, model):
-        # After an out-of-memory error inside XLA the allocator is corrupt
-        # (docs/oom-backoff.md): no rollback can make it safe.
+        # After an OOM inside XLA the allocator is corrupt (docs/oom-backoff.md): no rollback helps.
         if _keras.jit_compile_requested(model):
             raise ValueError(
                 "OOMBackoff cannot recover from an out-of-memory error inside "
@@ -134,9 +127,8 @@ class OOMBackoff(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if _keras.ITERATORS_IN_CYCLES:
-            # Each epoch's iterator's prefetched batches stay allocated until
-            # the collector runs (`_keras.ITERATORS_IN_CYCLES`): a size
-            # that trained one epoch would fail the next (docs/oom-backoff.md).
+            # Each epoch's iterator's prefetched batches stay allocated until the collector
+            # runs: a size that trained one epoch would fail the next (docs/oom-backoff.md).
             gc.collect()
 
     def on_epoch_end(self, epoch, logs=None):

@@ -14,9 +14,8 @@ __all__ = ["Calibration"]
 class Calibration:
     """Measured peaks by (batch, micro-batch) size, and how to read between them.
 
-    `per_batch_sample`: what a sample more in the batch costs, from shapes;
-    `min_slope`: the least a sample more in the micro-batch can cost.
-    """
+    `per_batch_sample`: what a sample more in the batch costs, from shapes; `min_slope`: the least a
+    sample more in the micro-batch can cost."""
 
     per_batch_sample: float
     min_slope: float
@@ -57,8 +56,7 @@ class Calibration:
             return values[sizes.index(micro)]
         if sizes[0] < micro < sizes[-1]:
             return float(np.interp(micro, sizes, values))
-        # Beyond the measured sizes: a straight line fitted by least squares
-        # to the (up to) three nearest sizes, from the nearest one.
+        # Beyond the measured sizes: a least-squares line through the (up to) three nearest sizes.
         above = micro > sizes[-1]
         near = slice(-3, None) if above else slice(0, 3)
         slope = _slope(sizes[near], values[near])

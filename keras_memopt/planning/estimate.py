@@ -17,8 +17,7 @@ __all__ = [
     "optimizer_slot_copies",
 ]
 
-# Optimizer state per trainable variable, in copies of the variable, by class
-# name; `None` means "read the optimizer's configuration".
+# Optimizer state per trainable variable, in copies of it, by class name (None: read its config).
 _SLOTS = {
     "SGD": None,
     "Adam": None,

@@ -1,7 +1,5 @@
-"""Measuring real train steps: in this process, or in a fresh one per size.
-
-`measure_isolated` runs `measure_step` in a child process where nothing trained before, the model
-rebuilt from `model.to_json()` with the parent's threading and precision policy."""
+"""Measuring real train steps: in this process, or in a fresh one per size (`measure_isolated`, the
+model rebuilt from `model.to_json()` with the parent's threading and precision policy)."""
 
 from __future__ import annotations
 
@@ -83,8 +81,7 @@ def measure_step(source, optimizer, batch, micro, device) -> int | None:
         with tf.device(device):
             model = training_copy(source, optimizer)
             model.micro_batch_size = micro
-            # The first step traces the step and builds the optimizer's slots;
-            # its transient allocations are not those of training.
+            # The first step traces and builds the slots: its allocations are not training's.
             model.train_on_batch(x, y)
             peaks = []
             for _ in range(STEPS):
@@ -133,8 +130,7 @@ def measure_isolated(model, optimizer, batch, micro, device) -> int | None:
         json.dumps(spec)  # what `call` sends: fails here if it cannot
     except (NotImplementedError, TypeError, ValueError) as error:
         raise CannotIsolate(f"the model or optimizer cannot be written as JSON ({error})") from None
-    # The child's CPU allocator must report figures; this process's GPUs
-    # stay with this process when measuring on the CPU.
+    # The child's CPU allocator must report figures; measuring on the CPU, the GPUs stay here.
     env = _subprocess.tensorflow_env(quiet=False)
     if "GPU" not in device.upper():
         env["CUDA_VISIBLE_DEVICES"] = "-1"
@@ -150,10 +146,8 @@ def measure_isolated(model, optimizer, batch, micro, device) -> int | None:
 
 
 def measure_in_child(spec):
-    """The child's side of `measure_isolated`: `{"peak": bytes or None}`, or
-    `{"unloadable": reason}` where the model cannot be rebuilt here."""
-    # Before TensorFlow runs anything: the parent's threading, which changes
-    # how much working memory overlaps.
+    """The child's side of `measure_isolated`: {"peak": bytes or None} or {"unloadable": reason}."""
+    # Before TensorFlow runs anything: the parent's threading (it changes how much memory overlaps).
     tf.config.threading.set_inter_op_parallelism_threads(spec["inter_op_threads"])
     tf.config.threading.set_intra_op_parallelism_threads(spec["intra_op_threads"])
     keras.mixed_precision.set_global_policy(spec["policy"])

@@ -16,8 +16,7 @@ __all__ = [
 # The share of the budget to keep free when the figures come from shapes alone, which miss working
 # memory no tensor shows (docs/benchmarks.md, "The estimate without measuring").
 SHAPES_ONLY_MARGIN = 0.8
-# Measured near the recommendation, a step's peak still spreads from process
-# to process (docs/benchmarks.md).
+# Measured near the recommendation, a step's peak still spreads between processes (benchmarks.md).
 MEASURED_MARGIN = 0.1
 
 # What a plan's figures cover, said in every table: `MemoryLogger` reads more

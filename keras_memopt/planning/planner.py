@@ -121,11 +121,9 @@ class MemoryPlanner:
             micro_batch_size: int, samples per micro-batch. Defaults to `batch_size` (no splitting).
 
         Returns:
-            A `MemoryEstimate`; `.peak` is the total in bytes. Once `profile()`
-            has measured, `.peak` comes from the measurements (interpolated in
-            the micro-batch size, extrapolated beyond the measured sizes),
-            `.calibrated` is True and `.overhead` is what the measurement
-            adds to the counted parts.
+            A `MemoryEstimate`; `.peak` is the total in bytes. Once `profile()` has measured,
+            `.peak` comes from the measurements (interpolated in the micro-batch size, extrapolated
+            beyond), `.calibrated` is True and `.overhead` is what they add to the counted parts.
         """
         batch_size = positive_int("batch_size", batch_size)
         micro = batch_size if micro_batch_size is None else micro_batch_size

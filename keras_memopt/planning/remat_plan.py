@@ -41,9 +41,8 @@ class RematCandidate:
 
 
 def shortlist(candidates, count):
-    """The candidates worth measuring, in this order: the lowest estimate, no
-    recomputation, a segment per block and at every cut point, and others
-    within `_CLOSE` of the lowest; the first `count` (at least two)."""
+    """The candidates worth measuring, in this order: the lowest estimate, no recomputation, a
+    segment per block and at every cut point, others within `_CLOSE`; the first `count` (>= 2)."""
     lowest = candidates[0][2]
     chosen = [candidates[0]]
     chosen += [c for c in candidates if not c[1]]
