@@ -63,9 +63,8 @@ if _launched_as_command():
         raise AttributeError(f"module 'keras_memopt' has no attribute {name!r}")
 
 elif _keras_backend() == "jax":
-    # Keras 3 on JAX: the JAX step's `AccumulatingModel`, `Remat` (its call
-    # under `jax.checkpoint`) and the callbacks that run there; the rest of the
-    # API is TensorFlow's and not there yet (issue 56).
+    # Keras 3 on JAX: the JAX step's `AccumulatingModel`, `Remat` (`jax.checkpoint`) and the
+    # callbacks that run there; the rest of the API is TensorFlow's, not there yet (issue 56).
     from keras_memopt import callbacks  # noqa: F401  (a module of the API)
     from keras_memopt.jax_models import AccumulatingModel
     from keras_memopt.remat import Remat

@@ -12,8 +12,7 @@ import functools
 
 import tensorflow as tf
 
-# The status itself has no public name; tf_keras reads it through
-# `tf.__internal__.autograph.control_status_ctx()`.
+# No public name; tf_keras reads it through `tf.__internal__.autograph.control_status_ctx()`.
 from tensorflow.python.autograph.core import ag_ctx
 
 

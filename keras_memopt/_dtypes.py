@@ -6,8 +6,7 @@ _NARROW_FLOATS = (tf.float16, tf.bfloat16)
 
 
 def sum_dtype(dtype) -> tf.DType:
-    """The dtype a sum of `dtype` values is kept in: float32 for float16 and
-    bfloat16 (mixed precision), `dtype` itself otherwise (float64 stays float64)."""
+    """The dtype a sum of `dtype` values is kept in: float32 for float16, bfloat16, else `dtype`."""
     dtype = tf.as_dtype(dtype)
     return tf.float32 if dtype in _NARROW_FLOATS else dtype
 

@@ -29,10 +29,9 @@ def functional_class(cls, *mixins):
 
 
 def class_to_build(cls, base, args, kwargs, *mixins):
-    """The class `base.__new__` builds for `cls(*args, **kwargs)`: as in Keras,
-    (inputs, outputs) make a functional model only when they reach `base`'s own
-    constructor; a subclass's may take two positional arguments of its own
-    (`Distiller(teacher, student)`). `mixins`: as for `functional_class`."""
+    """The class `base.__new__` builds for `cls(*args, **kwargs)`: as in Keras, (inputs, outputs)
+    make a functional model only when they reach `base`'s own constructor; a subclass's may take two
+    positional arguments (`Distiller(teacher, student)`). `mixins`: as for `functional_class`."""
     own_constructor = cls.__init__ is not base.__init__
     functional = issubclass(cls, _keras.Functional)
     if not own_constructor and not functional and _keras.is_functional_call(args, kwargs):
@@ -67,8 +66,7 @@ class SerializationMixin:
         self.whole_batch_loss = whole_batch_loss
 
     def save(self, filepath, *args, **kwargs):
-        # Under several workers Keras 3 makes every worker write the same file
-        # (`ModelCheckpoint` included): the chief writes, the others skip.
+        # Keras 3 makes every worker write the same file (`ModelCheckpoint` too): the chief writes.
         if distribute.writes_files(self.distribute_strategy):
             return super().save(filepath, *args, **kwargs)
         return None
@@ -98,8 +96,7 @@ class SerializationMixin:
         return {**config, "micro_batch": self._setting_config()}
 
     def compile_from_config(self, config):
-        # Keras skips an overridden `compile` when loading a model; this one
-        # only adds checks, so a loaded model comes back compiled.
+        # Keras skips an overridden `compile` when loading; this one only adds checks: compiled.
         config = dict(config)
         setting = config.pop("micro_batch", None)
         if setting:
@@ -109,9 +106,8 @@ class SerializationMixin:
             self.optimizer.build(self.trainable_variables)
 
     def __reduce__(self):
-        # Keras 3 pickles a model as `type(model)._unpickle_model`, found by the
-        # class's name: the functional form is named after the class it
-        # extends, so it is pickled as that class (the method ignores `cls`).
+        # Keras 3 pickles a model as `type(model)._unpickle_model`, found by the class's name: the
+        # functional form, named after the class it extends, is pickled as it (`cls` is ignored).
         function, args = super().__reduce__()
         owner = getattr(function, "__self__", None)
         if owner in _FUNCTIONAL_CLASSES.values():

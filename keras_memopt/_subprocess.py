@@ -182,8 +182,7 @@ def call(function: str, payload=None, env=None, timeout: float | None = None,
 
 def send_result(value):
     """Sends `value` (JSON-able) to the parent: one tagged line on stdout."""
-    # Not a message to the user: the child-to-parent channel that `result_of`
-    # reads, so it is printed whatever the logging settings.
+    # The channel `result_of` reads, not a message: printed whatever the logging settings.
     print(RESULT_TAG + json.dumps(value), flush=True)
 
 

@@ -1,7 +1,5 @@
-"""The `keras-memopt` command line.
-
-Light to import: arguments are parsed before TensorFlow loads (see `keras_memopt/__init__.py`), so
-`--help` and argument errors return at once."""
+"""The `keras-memopt` command line. Light to import: arguments are parsed before TensorFlow loads
+(see `keras_memopt/__init__.py`), so `--help` and argument errors return at once."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from keras_memopt._validation import positive_int_argument
 
 __all__ = ["build_parser", "main"]
 
-# `plan`'s default margins; tests/test_cli.py checks that they are
-# `keras_memopt.planning.planner`'s MEASURED_MARGIN and SHAPES_ONLY_MARGIN.
+# `plan`'s default margins: the planner's (tests/test_cli.py checks they are the same).
 _MARGINS_HELP = (
     "share of the budget kept free (default: 0.1 after measuring; with "
     "--no-profile 0.8, since a CNN's true peak was up to 4.7 times its "
@@ -162,8 +159,7 @@ def _prepare_tensorflow():
 
 
 def _run_plan(args, budget) -> int:
-    # keras_memopt.models registers AccumulatingModel and Remat with Keras,
-    # which load_model needs for models that use them.
+    # keras_memopt.models registers AccumulatingModel and Remat with Keras, for load_model.
     import keras_memopt.models  # noqa: F401
     from keras_memopt._keras import keras
     from keras_memopt.memory import format_bytes

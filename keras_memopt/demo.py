@@ -1,9 +1,7 @@
 """`keras-memopt demo`: plain Keras runs out of memory; `AccumulatingModel` trains.
 
-Under a CPU memory limit, the same MLP at the same batch: a plain `keras.Model` runs out of
-memory (a real `ResourceExhaustedError`), the `AccumulatingModel` trains; both peaks and the loss
-are printed. Each run is a fresh child process (`_subprocess`), as TensorFlow reads its
-allocator settings once. Ctrl-C exits with status 130.
+Under a CPU memory limit, the same MLP at the same batch (plain: a real `ResourceExhaustedError`);
+both peaks and the loss printed. Each run is a fresh child process (allocator settings read once).
 
 Example:
 
@@ -81,10 +79,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def train(settings):
-    """One training run in this (fresh) process; returns what it did as a dict.
-
-    `settings` holds `run` (`"plain"`, `"accumulating"` or `"plain-unlimited"`) and the demo's
-    options by name."""
+    """One training run in this (fresh) process; returns what it did as a dict. `settings`: `run`
+    (`"plain"`, `"accumulating"` or `"plain-unlimited"`) and the demo's options by name."""
     import numpy as np
     import tensorflow as tf
 

@@ -18,9 +18,8 @@ def multi_worker(strategy) -> bool:
 
 
 def writes_files(strategy) -> bool:
-    """Whether this process writes checkpoints: not a non-chief worker of a cluster.
-
-    (tf_keras sends non-chief workers' files to temporary paths itself.)"""
+    """Whether this process writes checkpoints: not a non-chief worker of a cluster (tf_keras sends
+    non-chief workers' files to temporary paths itself)."""
     return (
         _keras.REDIRECTS_NON_CHIEF_FILES
         or not multi_worker(strategy)

@@ -138,9 +138,8 @@ class AccumulatingModel(
         _remat.check_target(remat, functional, self)
         placement.validate(devices, device_cuts, self, functional)
         if functional and not isinstance(self, _keras.Functional):
-            # A subclass's constructor passing (inputs, outputs) on: become its
-            # functional form here, before Keras would rewrite the bases of
-            # every class up to `keras.Model` (AccumulatingModel's included).
+            # A subclass's constructor passing (inputs, outputs) on: become its functional form
+            # here, before Keras would rewrite the bases of all classes up to `keras.Model`.
             object.__setattr__(self, "__class__", functional_class(type(self)))
         super().__init__(*args, **kwargs)
         # A plain holder: Keras must not track (nor save) its variables.
@@ -270,8 +269,7 @@ class AccumulatingModel(
         _keras.leave_step_uncompiled(self)
         _update.chain_updates(self.optimizer, place_on_variable_device=self.devices is not None)
         if self._placement is not None:
-            # Built here, outside any traced step, each slot is made on its
-            # variable's device (inside the step, all on the default device).
+            # Outside a trace, each slot is made on its variable's device (in one, the default).
             _keras.build_optimizer(self.optimizer, self.trainable_variables)
 
     def _make_runner(self, kind, force):
@@ -290,9 +288,8 @@ class AccumulatingModel(
     def make_predict_function(self, force=False):
         return self._make_runner("predict", force)
 
-    # `fit`, `evaluate` and `predict` leave the run-time settings that callbacks may
-    # change (`oom_policy`, `micro_batch_jit_compile`) as they found them, however
-    # they end (`keras_memopt._oom.run_settings`).
+    # `fit`, `evaluate` and `predict` leave the settings callbacks may change (`oom_policy`,
+    # `micro_batch_jit_compile`) as they found them, however they end (`_oom.run_settings`).
     def fit(self, *args, **kwargs):
         with _run_settings.kept(self):
             return super().fit(*args, **kwargs)

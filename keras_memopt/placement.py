@@ -1,10 +1,6 @@
-"""Segments of a functional model on several devices (model parallelism).
-
-`AccumulatingModel(inputs, outputs, devices=[...], device_cuts=...)` cuts a functional model into
-consecutive segments, one per device, at the points `remat` cuts at, and puts each segment's
-variables (re-created there with their values, Keras 3), optimizer slots and computation, forward
-and backward, on its device. The segments run one after another (no pipelined schedule); what the
-split buys is memory. See docs/distributed.md."""
+"""Segments of a functional model on several devices (model parallelism): `devices=[...]` cuts it
+at `remat`'s cut points into one segment per device, its variables (re-created there, Keras 3),
+optimizer slots and computation on it; they run one after another. See docs/distributed.md."""
 
 from __future__ import annotations
 
@@ -124,10 +120,9 @@ def validate(devices, device_cuts, model, functional):
 def place(model, devices, device_cuts):
     """Cuts `model` for `devices` and moves each variable to its segment's device.
 
-    A layer called in several segments keeps its variables on the first
-    one's. Returns the `Placement`; `ValueError` (before anything moves) for a
-    cut that cannot be made, and on tf_keras for a variable elsewhere.
-    """
+    A layer called in several segments keeps its variables on the first one's. Returns the
+    `Placement`; `ValueError` (before anything moves) for a cut that cannot be made, and on
+    tf_keras for a variable elsewhere."""
     graph = _graph.Graph(model)
     if device_cuts == "auto":
         cuts = _balanced_cuts(graph, model, len(devices))
@@ -154,8 +149,7 @@ def place(model, devices, device_cuts):
 
 
 def _owned_variables(graph):
-    """`(variable, node)` for each variable of the model's layers, with the
-    first node that uses it."""
+    """`(variable, node)` for each variable of the model's layers and the first node using it."""
     owners = {}
     for node, (layer, _, _) in enumerate(graph.nodes):
         for variable in layer.variables:
@@ -219,8 +213,7 @@ def jit_compile(placement, jit_compile):
 
 
 def build_plan(model, remat, placement):
-    """(`SegmentPlan` cut at both settings' points, or None for neither; what `remat="auto"`
-    chose and why)."""
+    """(`SegmentPlan` at both settings' cuts or None; what `remat="auto"` chose and why)."""
     if placement is None:
         return _segments.build_plan(model, remat)
     if remat is None:

@@ -1,8 +1,5 @@
-"""Magnitude pruning of an `AccumulatingModel` with tensorflow-model-optimization.
-
-tfmot's `prune_low_magnitude` and `strip_pruning`, on tf_keras only (`TF_USE_LEGACY_KERAS=1` before
-TensorFlow is imported, and the `tfmot` extra), an `AccumulatingModel` coming back as one with the
-same setting. `pruning_step` counts optimizer updates, not micro-batches. See docs/pruning.md."""
+"""Magnitude pruning of an `AccumulatingModel` with tensorflow-model-optimization (tfmot), on
+tf_keras only (`TF_USE_LEGACY_KERAS=1` and the `tfmot` extra). See docs/pruning.md."""
 
 from __future__ import annotations
 
@@ -80,6 +77,5 @@ def strip_pruning(model):
 
 
 def step_counters(model):
-    """The pruning wrappers' `pruning_step` variables of `model`, which count optimizer
-    updates in an `AccumulatingModel`, as in plain Keras."""
+    """`model`'s pruning wrappers' `pruning_step` variables (they count optimizer updates)."""
     return _per_update.counters(model)

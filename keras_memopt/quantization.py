@@ -1,8 +1,5 @@
-"""Quantization-aware training of an `AccumulatingModel` with tensorflow-model-optimization.
-
-tf_keras only, as pruning. `quantize_model` returns an `AccumulatingModel` with the same settings
-(tfmot's alone clones a plain functional model). The quantizers' ranges advance once per update, as
-in plain QAT; each micro-batch quantizes with its own update of them. See docs/pruning.md."""
+"""Quantization-aware training of an `AccumulatingModel` with tensorflow-model-optimization, on
+tf_keras only; the quantizers' ranges advance once per update, as in plain QAT. docs/pruning.md."""
 
 from __future__ import annotations
 
@@ -44,6 +41,6 @@ def quantize_model(model):
 
 
 def range_variables(model) -> tuple[list, list]:
-    """The quantizers' range variables of `model`: `(minimums, maximums)`, which an
-    `AccumulatingModel` ends each step with at the whole batch's values, as plain QAT does."""
+    """The quantizers' range variables of `model`: `(minimums, maximums)` (at the whole batch's
+    values after each step, as plain QAT)."""
     return _per_update.ranges(model)

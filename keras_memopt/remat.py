@@ -78,13 +78,11 @@ class Remat(keras.layers.Wrapper):
         # A Keras mask reaches the wrapped layer; `call` passes its output masks on.
         self.supports_masking = True
         if _keras.BACKEND == "jax":
-            # The call reads the variables' own values (not cast to a compute
-            # dtype) for `jax.checkpoint`; the wrapped layer still autocasts.
+            # `jax.checkpoint` gets the variables' own values (uncast); the wrapped layer autocasts.
             self.autocast = False
 
     def build(self, input_shape=None):
-        # The wrapped layer builds itself on its first call, with the real
-        # arguments (a block may take several inputs).
+        # The wrapped layer builds itself on its first call, with the real (maybe several) inputs.
         self.built = True
 
     def call(self, *args, training=None, mask=None, **kwargs):
@@ -95,8 +93,7 @@ class Remat(keras.layers.Wrapper):
         if self._layer_takes_mask and any(m is not None for m in tf.nest.flatten(mask)):
             kwargs["mask"] = mask
         if not self.layer.built:
-            # The first call creates the layer's variables; it happens while
-            # Keras builds the model, where there is nothing to differentiate.
+            # The first call makes the variables as Keras builds the model: none to differentiate.
             return self.layer(*args, **kwargs)
         if _keras.BACKEND == "jax":
             return jax_recompute.recompute(self.layer, args, kwargs)
@@ -166,8 +163,7 @@ class RematMixin:
         self._plan_segments(value)
 
     def _plan_segments(self, value):
-        # Not `self.remat = ...` in this class: TensorFlow's attribute tracking
-        # skips an assignment of the value an attribute already has.
+        # Not `self.remat = ...`: TensorFlow's tracking skips assigning an attribute its own value.
         value = validate_remat(value)
         check_target(value, isinstance(self, _keras.Functional), self)
         plan, note = placement.build_plan(self, value, self._placement)
@@ -179,12 +175,10 @@ class RematMixin:
 
     @property
     def recomputed_segments(self) -> list[list[str]]:
-        """The names of the layers in each segment recomputed in the backward pass, in
-        order; empty without recomputation."""
+        """Each recomputed segment's layer names, in order; empty without recomputation."""
         return _segments.recomputed_layer_names(self._run.segment_plan)
 
     @property
     def remat_choice(self) -> str:
-        """What `remat="auto"` chose and why (its estimated step peaks; docs/remat.md has an
-        example); "" otherwise."""
+        """What `remat="auto"` chose and why (its estimated step peaks; docs/remat.md), or ""."""
         return self._remat_note

@@ -31,8 +31,7 @@ __all__ = [
 
 ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 
-# Exit statuses of a process that died of one of these signals (a shell
-# reports 128 + the signal number; `subprocess` a negative number).
+# Exit statuses of a death by these signals (a shell's: 128 + the number; `subprocess`: negative).
 _CRASHES = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 
 
