@@ -16,9 +16,10 @@ class OOMBackoff(keras.callbacks.Callback):
     micro-batch's pass runs out of device memory, the failed step is put back, `micro_batch_size` is
     multiplied by `factor` and the *same* batch runs again: the result of training never changes;
     the smaller micro-batch stays after `fit`. Where a smaller micro-batch cannot help it stops with
-    one `ResourceExhaustedError` (on JAX a `JaxRuntimeError`) naming the phase and the bytes held.
-    Each backoff prints a line (`verbose`) and goes into `backoffs`; each epoch's last micro-batch
-    into `logs` as `"micro_batch_size"`. What is put back, costs, XLA, JAX: docs/oom-backoff.md.
+    one `ResourceExhaustedError` (on JAX a `JaxRuntimeError`) naming the phase and the bytes held,
+    the model as it was before the step. Each backoff prints a line (`verbose`) and goes into
+    `backoffs`; each epoch's last micro-batch into `logs` as `"micro_batch_size"`. What is put
+    back, costs, XLA, JAX: docs/oom-backoff.md.
 
     Args:
         factor: float in (0, 1), what the micro-batch is multiplied by at each backoff (rounded
