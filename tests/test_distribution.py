@@ -2,8 +2,12 @@
 
 The tests share one cluster, started once for the module: two worker processes
 (`TF_CONFIG` on free ports) and one process alone (the reference: the same
-global batch on one worker), each running both checks, the out-of-memory
-one first; each test compares what each worker reports with the process alone.
+global batch on one worker). The workers run three checks, the process alone
+the last two: out of memory in the collective part of a step first (worker 1's
+update, under its memory limit, while the device is as a fresh process has it),
+then out of memory in the micro-batch loop of worker 1, then a fit that is
+interrupted and resumed. Each test compares what each worker reports with the
+other worker or with the process alone.
 """
 
 import json
@@ -12,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from _helpers import FLOAT32
+from _helpers import FLOAT32, SAME_COMPUTATION
 from conftest import KERAS_LINE, LEGACY
 
 from keras_memopt import _subprocess
@@ -38,7 +42,7 @@ WORKER = textwrap.dedent(
             tf.data.experimental.AutoShardPolicy.DATA)
         return tf.data.Dataset.from_tensor_slices(parts).batch(batch).with_options(options)
 
-    def build(layers, micro, optimizer):
+    def build(layers, micro, optimizer, metrics=("accuracy",)):
         with strategy.scope():  # the optimizer too: it keeps the strategy it is made under
             optimizer = optimizer()
             keras.utils.set_random_seed(0)
@@ -50,7 +54,7 @@ WORKER = textwrap.dedent(
             model = kmo.AccumulatingModel(inputs, outputs, micro_batch_size=micro)
             model.compile(optimizer,
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+                          metrics=list(metrics))
         return model
 
     class StepLogs(keras.callbacks.Callback):
@@ -105,8 +109,87 @@ WORKER = textwrap.dedent(
             out[f"w{i}"] = weight
         np.savez(os.path.join(folder, f"{name}{index}.npz"), **out)
 
-    # Both checks in one cluster (a fresh one costs three TensorFlow starts): the
-    # out-of-memory one first, under the limit it was sized for, then the fit.
+    def collective():  # worker 1's update runs out of memory, two ways (the workers only)
+        MIB = 2**20
+        LIMIT = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MIB
+        EXTRA = dict(mib=0)  # what worker 1's update allocates after each variable's
+
+        def extra_words():
+            return np.int32(EXTRA["mib"] * MIB // 4 if index == 1 else 0)
+
+        class SGDThatAllocates(keras.optimizers.SGD):
+            def update_step(self, gradient, variable, *args):
+                result = super().update_step(gradient, variable, *args)
+                with tf.control_dependencies([result] if result is not None else []):
+                    words = tf.py_function(extra_words, [], tf.int32)
+                    block = tf.random.stateless_uniform(tf.reshape(words, [1]), [0, 0])
+                variable.assign_add(tf.fill(tf.shape(variable), 0.0 * tf.reduce_sum(block)))
+                return result
+
+        own = np.random.RandomState(0)
+        x = own.normal(size=(256, 64)).astype("float32")
+        y = own.randint(0, 4, 256)
+        model = build([64, 512, 4], 16, lambda: SGDThatAllocates(0.1), metrics=())
+
+        def state():
+            return [np.array(v) for v in model.variables + list(model.optimizer.variables)]
+
+        def attempt():
+            backoff = kmo.callbacks.OOMBackoff(verbose=0)
+            try:
+                model.fit(dataset(x, y, batch=64), epochs=1, verbose=0, callbacks=[backoff])
+                return dict(error=None)
+            except tf.errors.OpError as error:
+                return dict(error=type(error).__name__, message=error.message.splitlines()[0],
+                            backoffs=len(backoff.backoffs))
+
+        def in_use():
+            return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+        out = {}
+        EXTRA["mib"] = 16  # worker 1's update needs 16 MiB more than its loop
+        out["first"] = attempt()  # the update's need at micro-batch 16 is measured
+
+        # 1. The update's measured need is not free on worker 1: refused before agreeing.
+        # One step on both (without OOMBackoff, the update allocating nothing more):
+        # worker 1 reads its peak, then fills the device but what the loop needs.
+        EXTRA["mib"] = 0
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        step_start = in_use()
+        model.train_on_batch(x[:64], y[:64])
+        EXTRA["mib"] = 16
+        held = []
+        if index == 1:
+            step = tf.config.experimental.get_memory_info("CPU:0")["peak"] - step_start
+            left = LIMIT - in_use() - (step + 4 * MIB)  # the loop fits, the update does not
+            held = [tf.fill([min(MIB, left - at) // 4], 1.0) for at in range(0, left, MIB)]
+        before = state()
+        out["check"] = attempt()
+        out["check_changed"] = [i for i, (a, b) in enumerate(zip(before, state())) if
+                                not np.array_equal(a, b)]
+        del held
+
+        # 2. Out of memory inside worker 1's update, after the all-reduce, at micro-batch 32
+        # (its update not measured yet: both keep the weights and slots in host memory).
+        model.micro_batch_size = 32
+        EXTRA["mib"] = 1024
+        out["collective"] = attempt()
+        out["collective_changed"] = [i for i, (a, b) in enumerate(zip(before, state())) if
+                                     not np.array_equal(a, b)]
+
+        # 3. Both train on alike.
+        EXTRA["mib"] = 16
+        out["after"] = attempt()
+        out["iterations"] = int(model.optimizer.iterations.numpy())
+        np.savez(os.path.join(folder, f"collective{index}.npz"), *model.get_weights())
+        with open(os.path.join(folder, f"collective{index}.json"), "w") as handle:
+            json.dump(out, handle)
+
+    # Every check in one cluster (a fresh one costs three TensorFlow starts): the
+    # collective one first, on the device as a fresh process has it, then the
+    # out-of-memory one, under the limit it was sized for, then the fit.
+    if "TF_CONFIG" in os.environ:
+        collective()
     out = dict()
     save(out, oom(out, micro), "oom")
     out = dict()
@@ -128,7 +211,8 @@ def _free_ports(count):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two workers, worker 1 under a memory limit that micro-batches of 2048 exceed, and one
-    process alone at 512; each runs both checks. Their folders (cluster, alone)."""
+    process alone at 512; the workers run the three checks, the process alone the last two.
+    Their folders (cluster, alone)."""
     tmp_path = tmp_path_factory.mktemp("distribution")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -186,3 +270,37 @@ def test_an_out_of_memory_error_on_one_worker_is_retried_by_both(cluster):
         for key in (k for k in at_512.files if k.startswith("w")):
             np.testing.assert_allclose(worker[key], at_512[key], rtol=1e-5, atol=1e-6, err_msg=key)
     assert list(at_512["backoffs"]) == [] and int(at_512["iterations"]) == 2
+
+
+def test_an_out_of_memory_error_in_the_collective_part_stops_both_workers_unchanged(cluster):
+    """Under MultiWorkerMirroredStrategy a step runs in two parts: each worker's own (the
+    micro-batch loop) and the collective one (the gradients' all-reduce and the optimizer
+    update). Worker 1 alone runs out of memory in its update, two ways: where its measured need
+    is not free (refused before the workers agree: none of them starts the collective part),
+    and inside the update itself, after the all-reduce, at a micro-batch size whose update was
+    not measured yet. Both workers must stop together, neither waiting for the other, with
+    every weight and optimizer variable as before the step; then train on alike."""
+    folder = cluster[0]
+    first, second = (json.loads((folder / f"collective{i}.json").read_text()) for i in (0, 1))
+    for worker in (first, second):
+        assert worker["first"]["error"] is None and worker["after"]["error"] is None, worker
+        # Nothing changed on either worker, by either failure.
+        assert worker["check_changed"] == [] and worker["collective_changed"] == [], worker
+        assert worker["iterations"] == 4 + 1 + 4, worker  # first fit, one step, last fit
+    # Refused before agreeing: worker 1 reports, worker 0 learns that it stopped.
+    assert second["check"]["error"] == "ResourceExhaustedError", second
+    assert second["check"]["message"].startswith(
+        "Out of memory in the optimizer update (micro_batch_size=16)"), second
+    assert first["check"]["error"] == "AbortedError", first
+    assert "every worker stops here, with the model as it was before the step" in (
+        first["check"]["message"]), first
+    # Inside the update, after the all-reduce: both put it back and report.
+    for worker in (first, second):
+        assert worker["collective"]["error"] == "ResourceExhaustedError", worker
+        assert worker["collective"]["message"].startswith(
+            "Out of memory in the optimizer update (micro_batch_size=32)"), worker
+        assert worker["collective"]["backoffs"] == 0, worker
+    with np.load(folder / "collective0.npz") as a, np.load(folder / "collective1.npz") as b:
+        assert len(a.files) == len(b.files) > 0
+        for name in a.files:
+            np.testing.assert_allclose(a[name], b[name], **SAME_COMPUTATION, err_msg=name)
