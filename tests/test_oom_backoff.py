@@ -9,6 +9,7 @@ started at that micro-batch computes (same ops, same order): results agree
 within `SAME_COMPUTATION`.
 """
 
+import json
 import os
 import re
 
@@ -583,13 +584,24 @@ def _keras_line():
     return _keras
 
 
+@pytest.fixture(scope="module")
+def soak_then_state():
+    """The figures of the soak and of the state that does not fit, from one child under 20 MiB
+    (a fresh TensorFlow costs 3 to 4 CPU-s). The soak's model and data are a few KiB, and
+    let go before the other: the weights there (8.3 MiB) fit with more than 11 MiB to
+    spare, Adam's slots (16.6 MiB more) do not."""
+    code = (SOAK.format(tests=os.path.dirname(os.path.abspath(__file__)))
+            + "del model, x, y, backoff, inputs, hidden\ngc.collect()\n"
+            + STATE_DOES_NOT_FIT.format(optimizer="adam"))
+    output = run_python(code, memory_limit_mb=20)
+    soak, state = (json.loads(line) for line in output.stdout.strip().splitlines()[-2:])
+    return soak, state
+
+
 @pytest.mark.slow
-def test_soak_repeated_oom_keeps_memory_flat():
+def test_soak_repeated_oom_keeps_memory_flat(soak_then_state):
     """Hundreds of steps, an out-of-memory backoff (and retrace) every few."""
-    result = run_python(
-        SOAK.format(tests=os.path.dirname(os.path.abspath(__file__))),
-    )
-    figures = last_json(result)
+    figures = soak_then_state[0]
     assert figures["backoffs"] >= 60, figures
     # Allocator memory returns to the same level; host memory may settle in
     # the first rounds (caches) but must not keep growing with each retrace.
@@ -984,9 +996,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_a_state_that_does_not_fit_is_reported_before_the_first_step():
-    adam = run_python(STATE_DOES_NOT_FIT.format(optimizer="adam"), memory_limit_mb=20)
-    figures = last_json(adam)
+def test_a_state_that_does_not_fit_is_reported_before_the_first_step(soak_then_state):
+    figures = soak_then_state[1]
     assert figures["backoffs"] == 0  # no micro-batch size can help
     message = figures["message"]
     assert message.startswith("Out of memory before the first step, while making the "
