@@ -376,12 +376,12 @@ def _build(case, cls, run_eagerly=False, **kwargs):
     return model
 
 
-def _train(case, cls, run_eagerly=False, **kwargs):
+def _train(case, cls, run_eagerly=False, epochs=2, **kwargs):
     """Fits one model as the case says; returns it, its logs and its evaluation."""
     x, y = case.data(np.random.RandomState(0))
     model = _build(case, cls, run_eagerly, **kwargs)
     history = model.fit(
-        x, y, batch_size=case.batch_size, epochs=2, shuffle=False, verbose=0, **case.fit
+        x, y, batch_size=case.batch_size, epochs=epochs, shuffle=False, verbose=0, **case.fit
     )
     evaluation = model.evaluate(x, y, batch_size=case.batch_size, verbose=0, return_dict=True)
     return model, history.history, evaluation
@@ -402,7 +402,11 @@ def assert_same_training(expected, received):
 # cuDNN implementation in every traced step; 6 CPU-s on Keras 3): its parts run in
 # `tickets-rmsprop` (LSTMs) and `rnn-tagger-adam` (a bidirectional recurrence over
 # the same masks).
-@pytest.mark.parametrize("name", sorted(CASES))
+# No `mlp-adam` either: the regularised MLP without sample weights trains in
+# `mlp-sgd-momentum`, `mlp-schedule` and `batch-smaller-than-the-micro-batch` (Adam),
+# Adam over its micro-batches in `mlp-sample-weight` and `mlp-adamw-accumulation-steps`;
+# it is the eager, mirrored test's model below.
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"mlp-adam"}))
 def test_matches_plain_keras(name):
     case = CASES[name]
     expected = _train(case, keras.Model)
@@ -437,11 +441,19 @@ LIGHT = {
 # Eagerly, a micro-batch's outputs have a known first dimension, by which Keras 3
 # weighs its per-output loss trackers (in a traced loop, by one): the two-headed
 # model logged each head's loss several times too large (4.7 times, `department_loss`).
+# One epoch: its three steps (16, 16 and 8 samples) show that in every logged figure;
+# eagerly, each step of micro-batches costs Python's time (0.37 CPU-s a step, the
+# tickets model), where a traced step costs its trace once.
+EAGER_EPOCHS = 1
+
+
 @pytest.mark.parametrize("name", ["tickets-rmsprop", "masked-tagger-adam"])
 def test_matches_plain_keras_run_eagerly(name):
     case = LIGHT[name]
-    expected = _train(case, keras.Model, run_eagerly=True)
-    received = _train(case, AccumulatingModel, run_eagerly=True, **case.micro)
+    expected = _train(case, keras.Model, run_eagerly=True, epochs=EAGER_EPOCHS)
+    received = _train(
+        case, AccumulatingModel, run_eagerly=True, epochs=EAGER_EPOCHS, **case.micro
+    )
     assert_same_training(expected, received)
 
 
@@ -451,8 +463,10 @@ def test_matches_plain_keras_run_eagerly_under_mirrored_strategy(mirrored_strate
     # a scalar, and then leaves unscaled for the replicas (weights 0.015 apart).
     case = dataclasses.replace(CASES["mlp-adam"], data=lambda rng: mlp_data(rng, 34))
     with mirrored_strategy.scope():
-        expected = _train(case, keras.Model, run_eagerly=True)
-        received = _train(case, AccumulatingModel, run_eagerly=True, **case.micro)
+        expected = _train(case, keras.Model, run_eagerly=True, epochs=EAGER_EPOCHS)
+        received = _train(
+            case, AccumulatingModel, run_eagerly=True, epochs=EAGER_EPOCHS, **case.micro
+        )
     assert_same_training(expected, received)
 
 
