@@ -444,7 +444,9 @@ class TestProfiledPlan:
         reason="the plan's search over measured sizes, the planner's own logic (measuring a "
         "step on tf_keras: TestProfile's test_profile_calibrates_without_touching_the_model)")
     def test_recommends_a_measured_size_that_fits(self, keras_module):
-        inputs = keras_module.Input((128,))
+        # 16 features (128 before, a step's matrix products 8 times larger): the 16 MiB
+        # of hidden activations at 1024 samples outweigh the 256 KiB kernel all the more.
+        inputs = keras_module.Input((16,))
         hidden = keras_module.layers.Dense(4096, activation="relu")(inputs)
         model = keras_module.Model(inputs, keras_module.layers.Dense(4)(hidden))
         # In this process, to keep the test short (isolation has tests of its own).
